@@ -1,0 +1,3 @@
+from seekforge.cli import main
+
+main()

@@ -1,0 +1,49 @@
+"""`seekforge <verb>`: one entry point; each verb's arguments and code live with its subsystem.
+
+A verb module provides `add_arguments(parser)` and `run(args)`; it is imported only when its verb
+runs, so `seekforge --help` stays fast and a missing optional dependency only affects its verb.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+VERBS = {
+    "info": ("seekforge.model.info", "print a model's size (total / activated / MTP parameters)"),
+    "generate": ("seekforge.generate", "generate text from a checkpoint or preset (single sequence)"),
+    "pretrain": ("seekforge.train.cli", "pretrain a model (built-in corpus by default)"),
+    "preprocess": ("seekforge.data.preprocess", "tokenize JSONL/text into Megatron .bin/.idx files"),
+    "convert": ("seekforge.train.convert", "convert between seekforge checkpoints and HF format"),
+    "serve": ("seekforge.serve.server", "serve a model behind an OpenAI-compatible HTTP API"),
+    "bench": ("seekforge.serve.bench", "benchmark a running server (`seekforge bench serve`)"),
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="seekforge",
+        description="Toolkit for DeepSeek-V3-architecture models. `seekforge VERB --help` for details.",
+    )
+    sub = parser.add_subparsers(dest="verb", metavar="VERB")
+    argv = sys.argv[1:] if argv is None else argv
+    for verb, (_, help_text) in VERBS.items():
+        sub.add_parser(verb, help=help_text, add_help=False)
+    if not argv or argv[0] not in VERBS:
+        parser.parse_args(argv or ["--help"])
+        return
+    module = importlib.import_module(VERBS[argv[0]][0])
+    verb_parser = argparse.ArgumentParser(prog=f"seekforge {argv[0]}", description=VERBS[argv[0]][1],
+                                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    module.add_arguments(verb_parser)
+    args = verb_parser.parse_args(argv[1:])
+    try:
+        module.run(args)
+    except ValueError as e:  # bad user input: say what and how to fix it, no traceback
+        print(f"seekforge {argv[0]}: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

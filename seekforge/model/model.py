@@ -1,0 +1,290 @@
+"""The DeepSeek-V3 architecture, single-device math (no collectives; see parallel/ for those).
+
+Shape legend: B batch, T query tokens, S key tokens, H hidden, nh heads,
+dn = qk_nope_head_dim, dr = qk_rope_head_dim, dv = v_head_dim, r = kv_lora_rank, V vocab.
+
+Parameter names follow the Hugging Face checkpoint (`model.layers.N.self_attn.q_a_proj` ↔
+`layers.N.self_attn.q_a_proj`), so model/hf.py is a thin renaming layer.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from seekforge.config import ModelConfig, rope_type, yarn_factor, yarn_get_mscale
+from seekforge.model.moe import MoE
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+# ---------------------------------------------------------------------------------------- RoPE
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """(dr/2,) inverse frequencies; YaRN (arXiv:2309.00071 §3.3) blends interpolated and original
+    frequencies with a linear ramp over the dims between beta_slow and beta_fast rotations."""
+    dim, base = cfg.qk_rope_head_dim, cfg.rope_theta
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
+    inv_freq = 1.0 / pos_freqs
+    rope = cfg.rope_scaling or {}
+    if rope_type(rope) != "yarn":
+        return inv_freq
+    factor = yarn_factor(cfg)
+    original = rope["original_max_position_embeddings"]
+    beta_fast, beta_slow = rope.get("beta_fast") or 32, rope.get("beta_slow") or 1
+
+    def correction_dim(rotations):
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = math.floor(correction_dim(beta_fast)), math.ceil(correction_dim(beta_slow))
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float) - low) / (high - low)).clamp(0, 1)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp)
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """YaRN's multiplier on cos/sin (1.0 for DeepSeek-V3, where mscale == mscale_all_dim)."""
+    rope = cfg.rope_scaling or {}
+    if rope_type(rope) != "yarn":
+        return 1.0
+    if rope.get("attention_factor") is not None:
+        return float(rope["attention_factor"])
+    factor, mscale, mscale_all = yarn_factor(cfg), rope.get("mscale"), rope.get("mscale_all_dim")
+    if mscale and mscale_all:
+        return yarn_get_mscale(factor, mscale) / yarn_get_mscale(factor, mscale_all)
+    return yarn_get_mscale(factor)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attention_factor = rope_attention_factor(cfg)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions (..., T) → cos, sin (..., T, dr/2) in fp32."""
+        angles = positions[..., None].float() * self.inv_freq
+        return angles.cos() * self.attention_factor, angles.sin() * self.attention_factor
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+    """x (B, T, [nh,] dr). DeepSeek checkpoints pair dims (0,1), (2,3)… (`interleave`); the output lays
+    the pairs out as [evens | odds] rotated, the same for q and k, so q·k is unchanged (as in HF)."""
+    if x.dim() == 4:  # per-head tensor: broadcast cos/sin over heads
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    if interleave:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+    else:
+        x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+# ---------------------------------------------------------------------------------------- MLA
+class MLA(nn.Module):
+    """Multi-head Latent Attention (DeepSeek-V2 §2.1).
+
+    Keys and values come from a compressed latent c_kv (r dims, RMS-normed) plus one shared RoPE key
+    k_pe (dr dims); only these two are cached for decoding. Two equal paths:
+      naive    — expand c_kv through kv_b_proj into per-head k_nope, v, then ordinary attention;
+      absorbed — fold kv_b_proj's key half into q and its value half into the output, so attention
+                 runs directly against the cached latents (cheap per decoded token).
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        h, nh = cfg.hidden_size, cfg.num_attention_heads
+        self.num_heads = nh
+        if cfg.q_lora_rank is None:
+            self.q_proj = nn.Linear(h, nh * cfg.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(h, cfg.q_lora_rank, bias=cfg.attention_bias)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, nh * cfg.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(h, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=cfg.attention_bias)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(nh * cfg.v_head_dim, h, bias=cfg.attention_bias)
+        self.softmax_scale = cfg.softmax_scale
+
+    # -- projections shared by both paths ----------------------------------------------------
+    def project_q(self, x, cos, sin):
+        """x (B, T, H) → q_nope (B, T, nh, dn), q_pe (B, T, nh, dr) with RoPE applied."""
+        cfg = self.cfg
+        if cfg.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(*x.shape[:-1], self.num_heads, cfg.qk_head_dim)
+        q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+        return q_nope, apply_rope(q_pe, cos, sin, cfg.rope_interleave)
+
+    def project_latent(self, x, cos, sin):
+        """x (B, T, H) → c_kv (B, T, r) normed, k_pe (B, T, dr) with RoPE: what the cache stores."""
+        cfg = self.cfg
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+        return self.kv_a_layernorm(c_kv), apply_rope(k_pe, cos, sin, cfg.rope_interleave)
+
+    def kv_b_weights(self):
+        """kv_b_proj split per head: w_uk (nh, dn, r), w_uv (nh, dv, r)."""
+        cfg = self.cfg
+        w = self.kv_b_proj.weight.view(self.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        return w.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=1)
+
+    # -- attention over latents ---------------------------------------------------------------
+    def attend_naive(self, q_nope, q_pe, c_kv, k_pe, mask=None, is_causal=False):
+        """q_* (B, T, nh, ·), c_kv (B, S, r), k_pe (B, S, dr); mask (B|1, 1|nh, T, S) bool, True = keep.
+        Returns (B, T, nh·dv)."""
+        cfg = self.cfg
+        b, s = c_kv.shape[:2]
+        kv = self.kv_b_proj(c_kv).view(b, s, self.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim)
+        k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
+        k = torch.cat([k_nope, k_pe[:, :, None, :].expand(-1, -1, self.num_heads, -1)], dim=-1)
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),  # (B, nh, T|S, ·)
+            attn_mask=mask, is_causal=is_causal and mask is None, scale=self.softmax_scale,
+        )
+        return out.transpose(1, 2).reshape(b, q.shape[1], -1)
+
+    def attend_absorbed(self, q_nope, q_pe, c_kv, k_pe, mask=None):
+        """Same contract as attend_naive, never materializing per-head keys or values."""
+        w_uk, w_uv = self.kv_b_weights()
+        q_latent = torch.einsum("btnd,ndr->btnr", q_nope, w_uk)  # (B, T, nh, r)
+        scores = torch.einsum("btnr,bsr->bnts", q_latent, c_kv) + torch.einsum("btnd,bsd->bnts", q_pe, k_pe)
+        scores = scores.float() * self.softmax_scale  # (B, nh, T, S)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        probs = scores.softmax(dim=-1).to(c_kv.dtype)
+        out_latent = torch.einsum("bnts,bsr->btnr", probs, c_kv)  # (B, T, nh, r)
+        out = torch.einsum("btnr,nvr->btnv", out_latent, w_uv)  # (B, T, nh, dv)
+        return out.flatten(2)
+
+    def forward(self, x, cos, sin, mask=None):
+        """Training / prefill over full sequences: causal when mask is None."""
+        q_nope, q_pe = self.project_q(x, cos, sin)
+        c_kv, k_pe = self.project_latent(x, cos, sin)
+        return self.o_proj(self.attend_naive(q_nope, q_pe, c_kv, k_pe, mask=mask, is_causal=True))
+
+
+# ---------------------------------------------------------------------------------------- FFN
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) · up(x))."""
+
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = MLA(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MoE(cfg) if cfg.is_moe_layer(layer_id) else MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x, cos, sin, mask=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# ---------------------------------------------------------------------------------------- model
+def document_mask(segment_ids: torch.Tensor) -> torch.Tensor:
+    """segment_ids (B, T) of packed documents → (B, 1, T, T) bool: causal within each document."""
+    t = segment_ids.shape[1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=segment_ids.device).tril()
+    same_doc = segment_ids[:, :, None] == segment_ids[:, None, :]
+    return (causal & same_doc)[:, None]
+
+
+class Transformer(nn.Module):
+    """DeepSeek-V3 decoder with optional MTP modules (`mtp`, see model/mtp.py).
+
+    forward(input_ids) → logits (B, T, V); `hidden(...)` stops before the head, for the loss code
+    and MTP. Packed training passes per-document `positions` and `segment_ids`.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        from seekforge.model.mtp import MTPModule
+
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.rotary = RotaryEmbedding(cfg)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.mtp = nn.ModuleList(
+            MTPModule(cfg, cfg.num_hidden_layers + k) for k in range(cfg.num_nextn_predict_layers)
+        )
+
+    def hidden(self, input_ids, positions=None, segment_ids=None):
+        """input_ids (B, T) → (hidden before the final norm (B, T, H), (cos, sin), mask)."""
+        if positions is None:
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        cos, sin = self.rotary(positions)
+        mask = None if segment_ids is None else document_mask(segment_ids)
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask)
+        return x, (cos, sin), mask
+
+    def forward(self, input_ids, positions=None, segment_ids=None):
+        x, _, _ = self.hidden(input_ids, positions, segment_ids)
+        return self.lm_head(self.norm(x))
+
+    def moe_layers(self) -> list[MoE]:
+        return [m for m in self.modules() if isinstance(m, MoE)]
+
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None):
+        """Normal(0, initializer_range) for matrices, ones for norms, zeros for routing bias."""
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        std = self.cfg.initializer_range
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name or name.endswith("norm"):
+                p.fill_(1.0)
+            elif gen is not None and p.device.type == "cpu":
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * std)
+            else:
+                nn.init.normal_(p, std=std)
+        for m in self.moe_layers():
+            m.gate.e_score_correction_bias.zero_()
+        return self
+
+
+def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", dtype=torch.float32, seed: int = 0):
+    """A randomly initialized model; `device="meta"` builds shapes only (for planning huge presets)."""
+    with torch.device(device):
+        model = Transformer(cfg)
+    if str(device) != "meta":
+        model.init_weights(seed)
+        model.to(dtype)
+        for m in model.moe_layers():  # routing state stays fp32 (as in the official checkpoints)
+            m.gate.float()
+    return model

@@ -1,0 +1,163 @@
+"""DeepSeekMoE: router math and dropless dispatch.
+
+Shape legend: N tokens (batch × sequence flattened), H hidden, E routed experts, K experts per token,
+I expert intermediate size, S = N·K routed token copies.
+
+Dropless means no capacity factor: every token copy reaches its expert. Copies are sorted by expert
+id (`LocalDispatcher.dispatch`), run through one grouped GEMM per projection (`GroupedExperts`), and
+scattered back weighted by the router (`LocalDispatcher.combine`). parallel/ep.py swaps the dispatcher
+for an all-to-all one; the experts and the router do not change.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from seekforge.config import ModelConfig
+
+
+class Gate(nn.Module):
+    """Router. DeepSeek-V3: sigmoid scores, group-limited top-k chosen on scores + bias, weights from
+    the unbiased scores (the bias steers selection only, so it never enters the gradient)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
+        # Aux-loss-free balancing state, updated outside autograd by train/balance.py.
+        self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: (N, H) → weights (N, K) fp32, indices (N, K) int64, scores (N, E) fp32."""
+        cfg = self.cfg
+        logits = F.linear(x.float(), self.weight.float())  # routing in fp32, as DeepSeek does
+        scores = logits.sigmoid() if cfg.scoring_func == "sigmoid" else logits.softmax(dim=-1)
+        indices = select_experts(scores, self.e_score_correction_bias, cfg)
+        weights = scores.gather(1, indices)
+        if cfg.norm_topk_prob and cfg.num_experts_per_tok > 1:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * cfg.routed_scaling_factor, indices, scores
+
+
+def select_experts(scores: torch.Tensor, bias: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """Group-limited top-k. Returns (N, K) expert ids. Pure function of its inputs."""
+    n, e = scores.shape
+    choice = scores + bias if cfg.topk_method == "noaux_tc" else scores
+    if cfg.n_group > 1 and cfg.topk_method != "greedy":
+        grouped = choice.view(n, cfg.n_group, e // cfg.n_group)
+        if cfg.topk_method == "noaux_tc":
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # (N, n_group)
+        else:
+            group_scores = grouped.amax(dim=-1)
+        top_groups = group_scores.topk(cfg.topk_group, dim=-1, sorted=False).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, top_groups, True)
+        choice = choice.masked_fill(~keep.repeat_interleave(e // cfg.n_group, dim=1), float("-inf"))
+    return choice.topk(cfg.num_experts_per_tok, dim=-1, sorted=False).indices
+
+
+class LocalDispatcher:
+    """Single-device dispatch: sort token copies by expert, and undo it."""
+
+    def dispatch(self, x: torch.Tensor, indices: torch.Tensor, num_experts: int):
+        """x (N, H), indices (N, K) → sorted copies (S, H), tokens per expert (E,), state for combine."""
+        flat = indices.reshape(-1)  # (S,)
+        order = flat.argsort(stable=True)  # copy positions grouped by expert
+        num_tokens_per_expert = torch.bincount(flat, minlength=num_experts)
+        token_of_copy = order // indices.shape[1]
+        return x[token_of_copy], num_tokens_per_expert, order
+
+    def combine(self, y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """y (S, H) in expert order, weights (N, K) → (N, H) = Σ_k weight · expert output."""
+        n, k = weights.shape
+        unsorted = torch.empty_like(y).index_copy_(0, order, y)  # back to (token, k) order
+        unsorted = unsorted.view(n, k, -1)
+        return torch.einsum("nkh,nk->nh", unsorted, weights.to(y.dtype))
+
+
+class GroupedExperts(nn.Module):
+    """All routed experts as stacked weights (HF's internal layout): one GEMM per projection."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))  # (E, 2I, H)
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))  # (E, H, I)
+
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """x (S, H) sorted by expert → (S, H)."""
+        gate, up = grouped_mm(x, self.gate_up_proj, num_tokens_per_expert).chunk(2, dim=-1)
+        return grouped_mm(F.silu(gate) * up, self.down_proj, num_tokens_per_expert)
+
+
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Rows of x, grouped by `counts`, times the transposed weight of their group: x_g @ W_gᵀ.
+
+    `torch._grouped_mm` does this in one kernel; it needs 16-byte aligned rows and a matching dtype,
+    otherwise the exact per-expert loop runs (`grouped_mm_reference`).
+    """
+    if _grouped_mm_ok(x, weight):
+        offsets = counts.cumsum(0).to(torch.int32)
+        return torch._grouped_mm(x.contiguous(), weight.transpose(-2, -1), offs=offsets)
+    return grouped_mm_reference(x, weight, counts)
+
+
+def grouped_mm_reference(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    chunks = x.split(counts.tolist())
+    return torch.cat([c @ w.t() for c, w in zip(chunks, weight, strict=True)]) if chunks else x @ weight[0].t()
+
+
+def _grouped_mm_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    if not hasattr(torch, "_grouped_mm") or x.dtype != weight.dtype:
+        return False
+    if x.dtype not in (torch.float32, torch.bfloat16) or x.shape[0] == 0:
+        return False
+    align = 16 // x.element_size()
+    return x.shape[-1] % align == 0 and weight.shape[-2] % align == 0
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        from seekforge.model.model import MLP  # MLP lives with the dense layers
+
+        super().__init__()
+        self.cfg = cfg
+        self.gate = Gate(cfg)
+        self.experts = GroupedExperts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.shared_experts = (
+            MLP(cfg.hidden_size, cfg.n_shared_experts * cfg.moe_intermediate_size) if cfg.n_shared_experts else None
+        )
+        self.dispatcher = LocalDispatcher()
+        # Token counts since the last balance update (summed over micro-batches), read by the trainer.
+        self.register_buffer("tokens_per_expert", torch.zeros(cfg.n_routed_experts), persistent=False)
+        self.aux_loss_coeff = 0.0  # sequence-wise balance loss weight, set by the trainer
+        self.aux_loss: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])  # (N, H)
+        weights, indices, scores = self.gate(x)
+        routed, counts, state = self.dispatcher.dispatch(x, indices, self.cfg.n_routed_experts)
+        routed = self.experts(routed, counts)
+        out = self.dispatcher.combine(routed, state, weights)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        if torch._C._current_graph_task_id() == -1:  # not an activation-recompute replay in backward
+            with torch.no_grad():
+                self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
+        if self.training and self.aux_loss_coeff > 0:
+            self.aux_loss = self.aux_loss_coeff * sequence_balance_loss(scores, indices, shape[0], self.cfg)
+        return out.view(shape)
+
+
+def sequence_balance_loss(scores: torch.Tensor, indices: torch.Tensor, batch: int, cfg: ModelConfig):
+    """DeepSeek-V3 eq. 17–20: per sequence, Σ_i f_i · P_i with f_i the (scaled) fraction of tokens
+    routed to expert i and P_i its mean normalized affinity. scores (N, E), indices (N, K)."""
+    e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    scores = scores.view(batch, -1, e)
+    seq_len = scores.shape[1]
+    probs = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+    counts = torch.zeros(batch, e, device=scores.device)
+    counts.scatter_add_(1, indices.view(batch, -1), torch.ones(batch, seq_len * k, device=scores.device))
+    f = counts * e / (k * seq_len)
+    return (f * probs.mean(dim=1)).sum(dim=1).mean()
