@@ -1,0 +1,105 @@
+"""Single-sequence generation with a latent KV cache: the simple reference path that the serving
+engine (serve/) is tested against. `seekforge generate --model DIR_OR_PRESET --prompt ...`."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from seekforge.config import PRESETS, preset
+from seekforge.model.model import LatentCache, Transformer, build_model
+from seekforge.model.tokenizer import load_tokenizer
+
+
+def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                generator: torch.Generator | None = None) -> torch.Tensor:
+    """logits (B, V) → next ids (B,). temperature 0 is greedy; top-k then top-p (nucleus) filtering."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k > 0:
+        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = cum - sorted_logits.softmax(dim=-1) >= top_p  # keep the smallest set reaching top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+    probs = logits.softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@torch.inference_mode()
+def generate(model: Transformer, prompt_ids: list[int], max_new_tokens: int = 32, temperature: float = 0.0,
+             top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+             stop_token_ids: tuple[int, ...] = ()) -> list[int]:
+    """Prefill the prompt (naive MLA), then decode one token at a time (absorbed MLA over the cache).
+    Returns only the new token ids (a stop token, if hit, included)."""
+    if not prompt_ids:
+        raise ValueError("the prompt is empty; give at least one token")
+    cfg = model.cfg
+    total = len(prompt_ids) + max_new_tokens
+    if total > cfg.max_position_embeddings:
+        raise ValueError(f"prompt ({len(prompt_ids)}) + max_new_tokens ({max_new_tokens}) exceeds "
+                         f"max_position_embeddings={cfg.max_position_embeddings}; shorten one")
+    device, dtype = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
+    caches = [LatentCache(cfg, 1, total, dtype, device) for _ in model.layers]
+    generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+    ids = torch.tensor([prompt_ids], device=device)
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        logits = model(ids, kv_caches=caches)[:, -1]
+        next_id = sample_next(logits, temperature, top_k, top_p, generator)
+        out.append(int(next_id))
+        if out[-1] in stop_token_ids:
+            break
+        ids = next_id[:, None]
+    return out
+
+
+def load_model(name_or_path: str, dtype=torch.float32, device="cpu"):
+    """A preset name (random weights, byte tokenizer) or an HF-format checkpoint directory."""
+    if name_or_path in PRESETS:
+        tokenizer = load_tokenizer("byte")
+        return build_model(preset(name_or_path), device, dtype).eval(), tokenizer
+    path = Path(name_or_path)
+    if not path.is_dir():
+        raise ValueError(f"--model {name_or_path!r} is neither a preset ({', '.join(PRESETS)}) "
+                         "nor a checkpoint directory")
+    from seekforge.model.hf import load_hf
+
+    model = load_hf(path, device=device, dtype=dtype).eval()
+    has_hf_tokenizer = (path / "tokenizer.json").exists()
+    return model, load_tokenizer(path if has_hf_tokenizer else "byte")
+
+
+def add_arguments(p):
+    p.add_argument("--model", default="tiny", help="preset name or HF-format checkpoint directory")
+    p.add_argument("--prompt", default="Once upon a time", help="text to continue")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+
+
+def run(args):
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens={args.max_new_tokens}; give at least 1")
+    model, tok = load_model(args.model, getattr(torch, args.dtype))
+    text = args.prompt
+    if args.chat:
+        text = tok.apply_chat_template([{"role": "user", "content": text}])
+    prompt_ids = tok.encode(text, add_bos=tok.bos_token_id is not None)
+    start = time.perf_counter()
+    stop = (tok.eos_token_id,) if tok.eos_token_id is not None else ()
+    new = generate(model, prompt_ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
+                   args.seed, stop)
+    elapsed = time.perf_counter() - start
+    print(text + tok.decode(new))
+    print(f"\n[{len(new)} tokens in {elapsed:.2f}s, {len(new) / elapsed:.1f} tokens/s]")
