@@ -94,14 +94,15 @@ def hf_layout(model: Transformer) -> dict[str, Slot]:
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # one tensor, saved as embed_tokens (HF does the same)
         hf = hf_name(name, cfg)
-        if hf.endswith(".mlp.experts.gate_up_proj"):
-            inter = tensor.shape[1] // 2
+        if hf.endswith(".mlp.experts.gate_up_proj"):  # (E, 2I, H): gate rows, then up rows
+            experts, inter = hf.removesuffix(".gate_up_proj"), tensor.shape[1] // 2
             for e in range(tensor.shape[0]):
-                layout[f"{hf[:-len('gate_up_proj')]}{e}.gate_proj.weight"] = Slot(name, (e, slice(0, inter)))
-                layout[f"{hf[:-len('gate_up_proj')]}{e}.up_proj.weight"] = Slot(name, (e, slice(inter, 2 * inter)))
-        elif hf.endswith(".mlp.experts.down_proj"):
+                layout[f"{experts}.{e}.gate_proj.weight"] = Slot(name, (e, slice(0, inter)))
+                layout[f"{experts}.{e}.up_proj.weight"] = Slot(name, (e, slice(inter, 2 * inter)))
+        elif hf.endswith(".mlp.experts.down_proj"):  # (E, H, I)
+            experts = hf.removesuffix(".down_proj")
             for e in range(tensor.shape[0]):
-                layout[f"{hf[:-len('down_proj')]}{e}.down_proj.weight"] = Slot(name, (e,))
+                layout[f"{experts}.{e}.down_proj.weight"] = Slot(name, (e,))
         else:
             layout[hf] = Slot(name)
     for k in range(len(model.mtp)):
@@ -178,9 +179,10 @@ def load_hf(path: str | Path, device: str | torch.device = "cpu", dtype: torch.d
                     if slot.copy_of_shared:
                         continue  # the MTP layer's copy of embed_tokens / lm_head
                     tensor = read_tensor(f, name, file)
-                    if tensor.dtype == FP8_DTYPE:
-                        tensor = dequantize_fp8_block(tensor, read_scale_inv(name, file, where))
                     dest = params[slot.target][slot.index]
+                    if tensor.dtype == FP8_DTYPE:  # dequantize where the weight goes (a GPU does it fastest)
+                        scale_inv = read_scale_inv(name, file, where).to(dest.device)
+                        tensor = dequantize_fp8_block(tensor.to(dest.device), scale_inv)
                     if tensor.shape != dest.shape:
                         raise ValueError(f"tensor {name!r} in {file} has shape {tuple(tensor.shape)}, but this "
                                          f"config.json needs {tuple(dest.shape)}; the weights and config.json "
@@ -373,8 +375,9 @@ def pack_shards(entries: list[Entry], limit: int) -> list[list[Entry]]:
 
 def hf_config(model: Transformer, dtype: torch.dtype | None, fp8: bool) -> dict:
     config = model.cfg.to_hf()
-    # A loaded FP8 checkpoint's config carries these in `extra`; they describe the old files, not these.
-    for stale in ("quantization_config", "torch_dtype", "dtype"):
+    # A loaded checkpoint's config carries these in `extra`; they describe the old files, not these
+    # (auto_map points at remote-code .py files we do not write; transformers has deepseek_v3 built in).
+    for stale in ("quantization_config", "torch_dtype", "dtype", "auto_map"):
         config.pop(stale, None)
     dtype_name = str(dtype or model.embed_tokens.weight.dtype).removeprefix("torch.")
     config["torch_dtype"] = config["dtype"] = dtype_name  # transformers 4 reads the first, 5 the second

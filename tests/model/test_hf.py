@@ -142,6 +142,31 @@ def test_sharded_save_with_mtp_loads_back_bit_equal(tmp_path):
         assert torch.equal(got[key], expected[key]), key
 
 
+def test_packed_expert_names_and_bf16_load(tmp_path):
+    """transformers' internal stacked names load too; a bf16 load keeps the routing state fp32."""
+    model = randomize_(build_model(seekforge_config()))
+    save_hf(model, tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    for layer in (1, 2):
+        prefix = f"model.layers.{layer}.mlp.experts"
+        for e in range(SIZES["n_routed_experts"]):
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                del tensors[f"{prefix}.{e}.{proj}.weight"]
+        tensors[f"{prefix}.gate_up_proj"] = model.layers[layer].mlp.experts.gate_up_proj.detach().clone()
+        tensors[f"{prefix}.down_proj"] = model.layers[layer].mlp.experts.down_proj.detach().clone()
+    save_file(tensors, tmp_path / "model.safetensors")
+    loaded = load_hf(tmp_path)
+    for key, value in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key
+
+    half = load_hf(tmp_path, dtype=torch.bfloat16)
+    moe = half.layers[1].mlp
+    assert half.layers[1].self_attn.kv_b_proj.weight.dtype == moe.experts.down_proj.dtype == torch.bfloat16
+    assert moe.gate.weight.dtype == moe.gate.e_score_correction_bias.dtype == torch.float32
+    assert half.rotary.inv_freq.dtype == moe.tokens_per_expert.dtype == torch.float32
+    assert torch.equal(half.rotary.inv_freq, model.rotary.inv_freq) and not moe.tokens_per_expert.any()
+
+
 def test_save_replaces_old_weights_and_keeps_other_files(tmp_path):
     model = randomize_(build_model(seekforge_config()))
     save_hf(model, tmp_path / "ckpt", max_shard_size="40KB")
