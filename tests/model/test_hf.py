@@ -46,6 +46,8 @@ CASES = {
     "q_lora-yarn-2groups-no_interleave-2dense": dict(q_lora_rank=16, rope_parameters=YARN, n_group=2,
                                                      topk_group=1, first_k_dense_replace=2,
                                                      rope_interleave=False, num_experts_per_tok=3),
+    "top1-normalized": dict(q_lora_rank=None, rope_parameters=YARN, n_group=2, topk_group=1,
+                            first_k_dense_replace=1, num_experts_per_tok=1, norm_topk_prob=True),
 }
 
 
