@@ -157,7 +157,7 @@ def load_hf(path: str | Path, device: str | torch.device = "cpu", dtype: torch.d
     """
     path = Path(path)
     cfg = ModelConfig.from_hf(path)
-    files = shard_files(path)
+    files, indexed = shard_files(path)
     where = tensor_files(files)
     cfg = drop_absent_mtp(cfg, where)
     model = materialize(cfg, device, dtype)
@@ -191,14 +191,16 @@ def load_hf(path: str | Path, device: str | torch.device = "cpu", dtype: torch.d
                     loaded.update(covers)
     missing = [n for n, s in layout.items() if n not in loaded and not s.copy_of_shared]
     if missing:
-        shown = ", ".join(repr(n) for n in missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise ValueError(f"checkpoint {path} lacks {len(missing)} tensor(s) its config.json needs: {shown}; "
-                         "re-download or re-save the missing shard(s), or fix config.json")
+        shown = [f"{n!r}" + (f" (the index puts it in {indexed[n]})" if n in indexed else "") for n in missing[:5]]
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise ValueError(f"checkpoint {path} lacks {len(missing)} tensor(s) its config.json needs: "
+                         f"{', '.join(shown)}{more}; re-download or re-save the shard(s), or fix config.json")
     return model
 
 
-def shard_files(path: Path) -> list[Path]:
-    """The shards the index names (in order), or every *.safetensors file when there is no index."""
+def shard_files(path: Path) -> tuple[list[Path], dict[str, str]]:
+    """The shards the index names (in order) and its weight map, or every *.safetensors file and {}
+    when there is no index."""
     index = path / INDEX_FILE
     if index.exists():
         try:
@@ -210,11 +212,11 @@ def shard_files(path: Path) -> list[Path]:
         absent = [str(f) for f in files if not f.exists()]
         if absent:
             raise ValueError(f"{index} names shard(s) that do not exist: {absent}; download them")
-        return files
+        return files, weight_map
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors files in {path}; pass a checkpoint directory")
-    return files
+    return files, {}
 
 
 def open_shard(file: Path):
@@ -286,13 +288,13 @@ def materialize(cfg: ModelConfig, device, dtype: torch.dtype) -> Transformer:
 # ------------------------------------------------------------------------------- save
 @dataclass
 class Entry:
-    """One weight to write: its HF name, and the FP8 scale written next to it when quantized."""
+    """One weight to write (with its `_scale_inv` when FP8), sized before any tensor is made."""
 
-    name: str
+    name: str  # HF name
     slot: Slot
-    dtype: torch.dtype
+    dtype: torch.dtype  # written dtype when not FP8
     fp8: bool
-    nbytes: int
+    nbytes: int  # in the file, scale included
 
 
 def save_hf(model: Transformer, path: str | Path, max_shard_size: int | str = "5GB",

@@ -327,8 +327,9 @@ def rewrite_tensor(checkpoint, name, tensor=None):
 
 
 def test_missing_tensor_is_named(saved):
-    rewrite_tensor(saved, "model.layers.2.mlp.experts.5.up_proj.weight")
-    with pytest.raises(ValueError, match=r"lacks 1 tensor.*model\.layers\.2\.mlp\.experts\.5\.up_proj\.weight"):
+    shard = rewrite_tensor(saved, "model.layers.2.mlp.experts.5.up_proj.weight")
+    message = rf"lacks 1 tensor.*experts\.5\.up_proj\.weight' \(the index puts it in {shard.name}\)"
+    with pytest.raises(ValueError, match=message):
         load_hf(saved)
 
 
