@@ -36,7 +36,7 @@ class Gate(nn.Module):
         scores = logits.sigmoid() if cfg.scoring_func == "sigmoid" else logits.softmax(dim=-1)
         indices = select_experts(scores, self.e_score_correction_bias, cfg)
         weights = scores.gather(1, indices)
-        if cfg.norm_topk_prob and cfg.num_experts_per_tok > 1:
+        if cfg.norm_topk_prob:  # also for top-1 (weight 1), as DeepSeek-V3's inference code and HF do
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * cfg.routed_scaling_factor, indices, scores
 
