@@ -32,7 +32,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from seekforge.config import ModelConfig
-from seekforge.model.model import Transformer, build_model, rope_inv_freq
+from seekforge.model.model import Transformer, build_model
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
@@ -277,12 +277,7 @@ def materialize(cfg: ModelConfig, device, dtype: torch.dtype) -> Transformer:
     for moe in model.moe_layers():
         moe.gate.float()  # routing runs in fp32, as in the official checkpoints
     model.to_empty(device=device)
-    # Non-persistent buffers are not in the checkpoint and hold garbage after to_empty; keep them fp32
-    # whatever `dtype` is (bf16 frequencies would blur positions, bf16 counts stop at 256).
-    model.rotary.inv_freq = rope_inv_freq(cfg).to(device)
-    for moe in model.moe_layers():
-        moe.tokens_per_expert = torch.zeros(cfg.n_routed_experts, device=device)
-    return model.eval()
+    return model.init_buffers().eval()  # non-persistent buffers are not in the checkpoint
 
 
 # ------------------------------------------------------------------------------- save

@@ -290,6 +290,16 @@ class Transformer(nn.Module):
         x, _, _ = self.hidden(input_ids, positions, segment_ids, kv_caches)
         return self.lm_head(self.norm(x))
 
+    def init_buffers(self):
+        """(Re)create the non-persistent buffers: after `to_empty` they hold garbage, and a dtype cast
+        would round them — they stay fp32 / int64 whatever the weights' dtype (bf16 frequencies blur
+        positions; bf16 counts stop being exact at 256)."""
+        device = self.embed_tokens.weight.device
+        self.rotary.inv_freq = rope_inv_freq(self.cfg).to(device)
+        for moe in self.moe_layers():
+            moe.tokens_per_expert = torch.zeros(self.cfg.n_routed_experts, dtype=torch.long, device=device)
+        return self
+
     def moe_layers(self) -> list[MoE]:
         return [m for m in self.modules() if isinstance(m, MoE)]
 
@@ -319,4 +329,5 @@ def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", dtype=torc
         model.to(dtype)
         for m in model.moe_layers():  # routing state stays fp32 (as in the official checkpoints)
             m.gate.float()
+        model.init_buffers()
     return model

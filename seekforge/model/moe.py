@@ -129,7 +129,8 @@ class MoE(nn.Module):
         )
         self.dispatcher = LocalDispatcher()
         # Token counts since the last balance update (summed over micro-batches), read by the trainer.
-        self.register_buffer("tokens_per_expert", torch.zeros(cfg.n_routed_experts), persistent=False)
+        self.register_buffer("tokens_per_expert", torch.zeros(cfg.n_routed_experts, dtype=torch.long),
+                             persistent=False)
         self.aux_loss_coeff = 0.0  # sequence-wise balance loss weight, set by the trainer
         self.aux_loss: torch.Tensor | None = None
 

@@ -165,7 +165,7 @@ def test_packed_expert_names_and_bf16_load(tmp_path):
     moe = half.layers[1].mlp
     assert half.layers[1].self_attn.kv_b_proj.weight.dtype == moe.experts.down_proj.dtype == torch.bfloat16
     assert moe.gate.weight.dtype == moe.gate.e_score_correction_bias.dtype == torch.float32
-    assert half.rotary.inv_freq.dtype == moe.tokens_per_expert.dtype == torch.float32
+    assert half.rotary.inv_freq.dtype == torch.float32 and moe.tokens_per_expert.dtype == torch.int64
     assert torch.equal(half.rotary.inv_freq, model.rotary.inv_freq) and not moe.tokens_per_expert.any()
 
 
