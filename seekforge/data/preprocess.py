@@ -48,8 +48,8 @@ _worker: dict = {}
 
 
 def _init_worker(tokenizer_name: str, json_key: str, append_eod: bool, is_jsonl: bool, input_name: str) -> None:
-    _worker.update(tokenizer=load_tokenizer(tokenizer_name), json_key=json_key, append_eod=append_eod, is_jsonl=is_jsonl,
-                   input_name=input_name)
+    _worker.update(tokenizer=load_tokenizer(tokenizer_name), json_key=json_key, append_eod=append_eod,
+                   is_jsonl=is_jsonl, input_name=input_name)
 
 
 def _encode_chunk(chunk: tuple[int, list[str]]) -> list[list[int]]:

@@ -5,8 +5,15 @@ import numpy as np
 import pytest
 import torch
 
-from seekforge.data.dataset import (IGNORE_INDEX, BatchLoader, BlendedDataset, GPTDataset, TokenDocuments,
-                                    build_dataset, parse_blend)
+from seekforge.data.dataset import (
+    IGNORE_INDEX,
+    BatchLoader,
+    BlendedDataset,
+    GPTDataset,
+    TokenDocuments,
+    build_dataset,
+    parse_blend,
+)
 from seekforge.data.indexed import IndexedDatasetBuilder
 from seekforge.model.tokenizer import ByteTokenizer
 
