@@ -169,7 +169,7 @@ BUILTIN_CORPORA = {"arithmetic": arithmetic_documents, "text": text_documents}
 
 def unigram_entropy(token_ids) -> float:
     """Entropy in nats (the unit of cross-entropy loss) of the empirical token distribution: the loss
-    a model that ignores context would reach. token_ids: any 1-D sequence or array of ints."""
+    a model that ignores context would reach. token_ids: ints of any shape (list, array, CPU tensor)."""
     ids = np.asarray(token_ids).ravel()
     if ids.size == 0:
         raise ValueError("unigram_entropy of an empty token sequence is undefined; pass at least one token")

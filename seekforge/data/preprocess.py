@@ -124,7 +124,7 @@ def preprocess(input_path: str | Path, tokenizer_name: str, prefix: str, json_ke
                 builder.add_document(np.asarray(ids))
             num_documents += len(documents)
             bar.update(sum(map(len, documents)))
-            bar.set_postfix(docs=num_documents, refresh=False)
+            bar.set_postfix_str(f"{num_documents} docs", refresh=False)
         bin_file, idx_file = builder.finalize()
     return {"documents": num_documents, "tokens": builder.num_tokens, "dtype": builder.dtype.name,
             "seconds": time.perf_counter() - start, "prefix": out, "files": [str(bin_file), str(idx_file)]}
