@@ -63,3 +63,21 @@ def test_bad_input_names_the_line(tmp_path):
     path.write_text('{"content": "ok"}\n')
     with pytest.raises(ValueError, match=r"no 'text' field \(has \['content'\]\); pass --json-key"):
         preprocess(path, "byte", str(tmp_path / "b"), progress=False)
+
+
+def test_hf_tokenizer(tmp_path, corpus):
+    """A tokenizer.json directory works in the workers, and its EOS ends each document."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel()
+    tokenizer.train_from_iterator(TEXTS, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "</s>"]))
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+
+    summary = preprocess(corpus, str(tmp_path), str(tmp_path / "hf"), workers=2, progress=False)
+    ds = IndexedDataset(summary["prefix"])
+    eos = tokenizer.token_to_id("</s>")
+    assert len(ds) == len(TEXTS)
+    for i in (0, 7, 599):
+        assert ds[i].tolist() == tokenizer.encode(TEXTS[i], add_special_tokens=False).ids + [eos]
