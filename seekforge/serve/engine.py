@@ -294,10 +294,13 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._loop, name="seekforge-engine", daemon=True)
         self._thread.start()
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
-                       request_id: str | None = None, cache_salt: str | None = None,
-                       ) -> AsyncIterator[RequestOutput]:
-        request = self.engine.make_request(prompt, params, request_id, cache_salt)  # ValueError → caller
+    def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
+                 request_id: str | None = None, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Validate now (a bad request raises ValueError here, before any streaming starts) and return
+        the stream of cumulative outputs; the request starts when the stream is first awaited."""
+        return self._stream(self.engine.make_request(prompt, params, request_id, cache_salt))
+
+    async def _stream(self, request: Request) -> AsyncIterator[RequestOutput]:
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request.request_id] = (asyncio.get_running_loop(), stream)
         self._commands.put(("add", request))
