@@ -262,7 +262,8 @@ class LLM:
             raise ValueError(f"{len(sampling_params)} SamplingParams for {len(prompts)} prompts; give one or "
                              "one per prompt")
         engine = self.engine
-        ids = [engine.add_request(p, sp) for p, sp in zip(prompts, sampling_params, strict=True)]
+        requests = [engine.make_request(p, sp) for p, sp in zip(prompts, sampling_params, strict=True)]
+        ids = [engine.add(r) for r in requests]  # all validated first: a bad prompt adds nothing
         done: dict[str, RequestOutput] = {}
         while len(done) < len(ids):
             for out in engine.step():

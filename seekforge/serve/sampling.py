@@ -51,10 +51,11 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     """logits (N, V) already divided by temperature; top_k (N,) (0 = off), top_p, min_p (N,).
     Returns logits with the filtered-out entries at -inf."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    probs = sorted_logits.softmax(dim=-1)
     rank = torch.arange(logits.shape[-1], device=logits.device)
-    drop = (top_k[:, None] > 0) & (rank >= top_k[:, None])
-    drop |= probs.cumsum(dim=-1) - probs >= top_p[:, None]  # keep the smallest set reaching top_p
+    # top-k first; top-p then applies to the renormalized survivors (as generate.sample_next does)
+    sorted_logits = sorted_logits.masked_fill((top_k[:, None] > 0) & (rank >= top_k[:, None]), float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    drop = probs.cumsum(dim=-1) - probs >= top_p[:, None]  # keep the smallest set reaching top_p
     drop |= probs < min_p[:, None] * probs[:, :1]
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
