@@ -59,18 +59,24 @@ class PagedLatentCache:
         nd = md.num_decodes
         if nd:
             tables = md.decode_block_tables
-            ctx_c_kv = self.c_kv[tables].view(nd, -1, r)  # (Nd, Sd, r)
-            ctx_k_pe = self.k_pe[tables].view(nd, -1, dr)  # (Nd, Sd, dr)
+            ctx_c_kv = self._gather(self.c_kv, tables.flatten()).view(nd, -1, r)  # (Nd, Sd, r)
+            ctx_k_pe = self._gather(self.k_pe, tables.flatten()).view(nd, -1, dr)  # (Nd, Sd, dr)
             out = attn.attend_absorbed(q_nope[0, :nd, None], q_pe[0, :nd, None], ctx_c_kv, ctx_k_pe,
                                        mask=md.decode_mask)  # (Nd, 1, nh·dv)
             outs.append(out[:, 0])
         start = nd
         for table, q_len, ctx_len, mask in zip(md.prefill_block_tables, md.prefill_query_lens,
                                                md.prefill_context_lens, md.prefill_masks, strict=True):
-            ctx_c_kv = self.c_kv[table].view(-1, r)[None, :ctx_len]  # (1, S, r)
-            ctx_k_pe = self.k_pe[table].view(-1, dr)[None, :ctx_len]
+            ctx_c_kv = self._gather(self.c_kv, table).view(-1, r)[None, :ctx_len]  # (1, S, r)
+            ctx_k_pe = self._gather(self.k_pe, table).view(-1, dr)[None, :ctx_len]
             end = start + q_len
             out = attn.attend_naive(q_nope[:, start:end], q_pe[:, start:end], ctx_c_kv, ctx_k_pe, mask=mask)
             outs.append(out[0])
             start = end
         return torch.cat(outs)[None] if len(outs) > 1 else outs[0][None]
+
+    @staticmethod
+    def _gather(pool: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        """Whole blocks of a (P, L, ·) pool → (len(blocks), L·(·)). index_select copies rows with memcpy;
+        advanced indexing (pool[blocks]) measured ~4x slower on CPU."""
+        return pool.view(pool.shape[0], -1).index_select(0, blocks)
