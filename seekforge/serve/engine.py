@@ -28,7 +28,7 @@ from seekforge.serve.block_manager import BlockManager
 from seekforge.serve.runner import Runner, num_kv_blocks
 from seekforge.serve.sampling import sample
 from seekforge.serve.scheduler import Scheduler
-from seekforge.serve.sequence import SamplingParams, Sequence, Status
+from seekforge.serve.sequence import SamplingParams, Sequence
 
 log = logging.getLogger("seekforge.serve")
 

@@ -197,10 +197,10 @@ async def _collect(streams: list[AsyncIterator[RequestOutput]], raw: Request, me
     """Run the streams to the end; if the client goes away meanwhile, cancel them (which aborts)."""
 
     async def last(stream):
-        out = None
+        final = None
         async for out in stream:
-            pass
-        return out
+            final = out
+        return final
 
     tasks = [asyncio.create_task(last(s)) for s in streams]
     try:

@@ -109,7 +109,8 @@ def test_bad_requests_raise_value_error(llm):
     with pytest.raises(ValueError, match="empty"):
         llm.generate([[]], GREEDY)
     with pytest.raises(ValueError, match="KV cache"):
-        LLM(llm.engine.model, llm.tokenizer, block_size=8, num_kv_blocks=2).generate("hi", SamplingParams(max_tokens=30))
+        tiny_cache = LLM(llm.engine.model, llm.tokenizer, block_size=8, num_kv_blocks=2)
+        tiny_cache.generate("hi", SamplingParams(max_tokens=30))
 
 
 def test_abort_frees_blocks(llm):
