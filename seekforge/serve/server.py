@@ -277,7 +277,9 @@ async def _stream_chunks(streams, n: int, req, rid: str, created: int, obj: str,
                     continue
                 text = c.text[sent_text.get(i, 0):]
                 entries = c.logprobs[sent_tokens.get(i, 0):] if c.logprobs is not None else None
-                if text or c.finish_reason or (entries and c.finish_reason):
+                # one chunk per step that produced tokens, even when their text is still held back
+                # (partial UTF-8, possible stop string): clients and `bench serve` time tokens by chunk
+                if len(c.token_ids) > sent_tokens.get(i, 0) or c.finish_reason:
                     yield chunk([choice(i, c, text, entries, c.finish_reason)])
                     sent_text[i] = len(c.text)
                     sent_tokens[i] = len(c.token_ids)
