@@ -79,6 +79,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.num_steps = 0
+        self.num_aborted = 0
         per_token = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * cfg.num_hidden_layers
         log.info("KV cache: %d blocks x %d tokens = %d max concurrent tokens (%.1f MiB, %d values/token)",
                  num_blocks, config.block_size, self.capacity,
@@ -135,6 +136,7 @@ class LLMEngine:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
+        self.num_aborted += 1
         for seq in request.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
@@ -230,7 +232,7 @@ class LLMEngine:
         return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
                 "kv_cache_usage": bm.usage, "prefix_cache_hit_rate": bm.prefix_hit_rate,
                 "num_free_blocks": bm.num_free_blocks, "num_blocks": bm.num_blocks,
-                "num_preemptions": self.scheduler.num_preemptions}
+                "num_preemptions": self.scheduler.num_preemptions, "num_aborted": self.num_aborted}
 
 
 class LLM:

@@ -17,7 +17,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -76,14 +76,16 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
         log.exception("unhandled error")
         return APIError(f"internal error: {exc}", 500, "internal_error").response()
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1"):
+    # A dependency, not an HTTP middleware: BaseHTTPMiddleware wraps `receive`, and then
+    # Request.is_disconnected() never sees the client leave (found by test_non_streaming_disconnect_aborts).
+    async def require_key(request: Request):
+        if api_key:
             given = request.headers.get("authorization", "")
             if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return APIError("invalid or missing API key; send 'Authorization: Bearer KEY'", 401,
-                                "authentication_error", "invalid_api_key").response()
-        return await call_next(request)
+                raise APIError("invalid or missing API key; send 'Authorization: Bearer KEY'", 401,
+                               "authentication_error", "invalid_api_key")
+
+    v1 = [Depends(require_key)]
 
     def check(req) -> None:
         if req.model != model_name:
@@ -101,12 +103,12 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
     async def prometheus():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=v1)
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
                                             "owned_by": "seekforge", "max_model_len": core.max_model_len}]}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=v1)
     async def completions(req: CompletionRequest, raw: Request):
         check(req)
         params = req.sampling_params(req.max_tokens, req.logprobs)
@@ -127,7 +129,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
         return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
                 "choices": choices, "usage": _usage(finals)}
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=v1)
     async def chat(req: ChatCompletionRequest, raw: Request):
         check(req)
         if not req.messages:
@@ -316,6 +318,7 @@ def add_arguments(p):
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--no-chunked-prefill", action="store_true")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--log-level", default="info")
 
 
@@ -336,6 +339,8 @@ def run(args):
     from seekforge.serve.engine import LLMEngine
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model, getattr(torch, args.dtype))
     engine = AsyncEngine(LLMEngine(model, tokenizer, engine_config_from_args(args)))
     app = build_app(engine, args.served_model_name or args.model, args.api_key)

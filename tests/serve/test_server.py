@@ -134,6 +134,7 @@ def test_errors_through_openai_client(client):
 
 def test_disconnect_aborts_and_frees_blocks(live_server):
     engine = live_server.engine.engine
+    aborted = engine.num_aborted
 
     async def start_and_drop():
         async with httpx.AsyncClient(base_url=live_server.base_url, timeout=30) as c:
@@ -147,6 +148,7 @@ def test_disconnect_aborts_and_frees_blocks(live_server):
     deadline = time.monotonic() + 20
     while engine.has_unfinished() and time.monotonic() < deadline:
         time.sleep(0.05)
+    assert engine.num_aborted == aborted + 1
     assert not engine.has_unfinished()
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
@@ -173,3 +175,17 @@ def test_api_key(tiny_model, byte_tokenizer):
     finally:
         server.stop()
         engine.shutdown()
+
+
+def test_non_streaming_disconnect_aborts(live_server):
+    engine = live_server.engine.engine
+    aborted = engine.num_aborted
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(live_server.base_url + "/v1/completions", timeout=0.3,
+                   json={"model": "tiny", "prompt": "x", "max_tokens": 500, "ignore_eos": True})
+    deadline = time.monotonic() + 20
+    while engine.has_unfinished() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine.num_aborted == aborted + 1
+    assert not engine.has_unfinished()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
