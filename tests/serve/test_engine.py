@@ -77,16 +77,30 @@ def test_n_and_seed_reproducible(llm):
     assert len({tuple(c.token_ids) for c in a.outputs}) > 1  # completions differ from each other
 
 
-def test_stop_token_and_stop_string(llm):
-    free = llm.generate("abc", SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0].outputs[0]
+class LetterTokenizer:
+    """Every id decodes to one printable letter, so stop strings are found wherever we pick them."""
+
+    bos_token_id, eos_token_id = None, 257
+
+    def encode(self, text, add_bos=False):
+        return [ord(c) % 256 for c in text]
+
+    def decode(self, ids):
+        return "".join(chr(ord("a") + i % 26) for i in ids)
+
+
+def test_stop_token_and_stop_string(tiny_model):
+    llm = LLM(tiny_model, LetterTokenizer(), block_size=8, num_kv_blocks=64)
+    free = llm.generate("abc", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].outputs[0]
     third = free.token_ids[2]
-    out = llm.generate("abc", SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[third]))[0].outputs[0]
+    out = llm.generate("abc", SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[third]))[0].outputs[0]
     assert out.token_ids == free.token_ids[:3] and out.finish_reason == "stop"
-    text = free.text
-    stop = next((text[i:i + 2] for i in range(1, len(text) - 1) if text[i:i + 2].isprintable()), None)
-    if stop is not None:
-        out = llm.generate("abc", SamplingParams(temperature=0, max_tokens=10, stop=[stop]))[0].outputs[0]
-        assert out.finish_reason == "stop" and out.text == text[:text.find(stop)]
+    assert out.text == free.text[:2]  # the stop token is not part of the text
+    stop = free.text[4:6]
+    out = llm.generate("abc", SamplingParams(temperature=0, max_tokens=12, stop=["zzzzzz", stop]))[0].outputs[0]
+    cut = free.text.find(stop)
+    assert out.finish_reason == "stop" and out.text == free.text[:cut]
+    assert out.token_ids == free.token_ids[:cut + 2]  # generation stopped at the token completing it
 
 
 def test_min_tokens_and_max_tokens(llm):
@@ -126,3 +140,17 @@ def test_abort_frees_blocks(llm):
 def test_chat(llm):
     out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(temperature=0, max_tokens=3))
     assert out[0].prompt_token_ids[-len(b"Assistant:"):] == list(b"Assistant:")
+
+
+def test_streamed_text_never_shows_a_stop_string(tiny_model):
+    llm = LLM(tiny_model, LetterTokenizer(), block_size=8, num_kv_blocks=64)
+    free = llm.generate("abc", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].outputs[0]
+    stop = free.text[6:9]
+    engine = llm.engine
+    engine.add_request("abc", SamplingParams(temperature=0, max_tokens=12, stop=[stop]))
+    texts = []
+    while engine.has_unfinished():
+        texts += [out.outputs[0].text for out in engine.step()]
+    final = texts[-1]
+    assert final == free.text[:free.text.find(stop)]
+    assert all(final.startswith(t) for t in texts)  # each streamed text only grows; stop never shown
