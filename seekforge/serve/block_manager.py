@@ -142,6 +142,14 @@ class BlockManager:
         seq.block_hashes = []
         seq.num_computed_tokens = 0
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (after a weight update the cached latents are stale)."""
+        if len(self.free_blocks) != self.num_blocks:
+            raise ValueError(f"{self.num_blocks - len(self.free_blocks)} blocks are still in use; reset the "
+                             "prefix cache only when no request is running")
+        for block in range(self.num_blocks):
+            self._evict(block)
+
     def _evict(self, block: int) -> None:
         h = self.hash_of_block[block]
         if h is not None:

@@ -145,6 +145,10 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def reset_prefix_cache(self) -> None:
+        """Call after changing the model's weights in place (e.g. between GRPO steps)."""
+        self.block_manager.reset_prefix_cache()
+
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
         """Run one batch; return the (cumulative) outputs of requests that got tokens or finished."""
@@ -272,6 +276,11 @@ class LLM:
                 if out.finished:
                     done[out.request_id] = out
         return [done[i] for i in ids]
+
+    def reset_prefix_cache(self) -> None:
+        """The engine shares the model object: after updating its weights in place (GRPO), call this
+        so no request reuses latents computed with the old weights."""
+        self.engine.reset_prefix_cache()
 
     def chat(self, conversations: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:

@@ -4,6 +4,8 @@ caching on/off, and under preemption. Plus the engine's request-level behaviour.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -154,3 +156,16 @@ def test_streamed_text_never_shows_a_stop_string(tiny_model):
     final = texts[-1]
     assert final == free.text[:free.text.find(stop)]
     assert all(final.startswith(t) for t in texts)  # each streamed text only grows; stop never shown
+
+
+def test_reset_prefix_cache_after_weight_update(tiny_model, byte_tokenizer, prompts):
+    model = copy.deepcopy(tiny_model)
+    llm = LLM(model, byte_tokenizer, block_size=8, num_kv_blocks=128)
+    llm.generate(prompts[-1], GREEDY)  # fills the prefix cache
+    with torch.no_grad():  # an in-place "optimizer step", as co-located GRPO does
+        for p in model.parameters():
+            p.mul_(1.5)
+    llm.reset_prefix_cache()
+    out = llm.generate(prompts[-1], GREEDY)[0]
+    assert out.num_cached_tokens == 0
+    assert out.outputs[0].token_ids == generate(model, prompts[-1], MAX_NEW)
