@@ -6,11 +6,14 @@ count. So prefills and decodes share a step under one token budget (`max_num_bat
 long prompt is split across steps (chunked prefill) without special cases.
 
 Order: running sequences first (in arrival order), then waiting ones while the budget, the
-`max_num_seqs` limit and free blocks allow. When a running sequence needs a block and none is free,
-the most recently admitted running sequence is preempted: its blocks are freed and it goes back to
-the front of the queue to be recomputed later (prompt + the tokens it already generated), so no
-request is ever lost. Full blocks it computed stay in the prefix cache and usually make the recompute
-cheap.
+`max_num_seqs` limit and free blocks allow. A prompt that does not fit takes all the budget left, so
+nothing is admitted behind an unfinished prefill: it is always last in the running queue, takes
+what the decodes leave, and never stalls them (test_decodes_never_wait_behind_a_prefill).
+
+When a running sequence needs a block and none is free, the most recently admitted running sequence
+is preempted: its blocks are freed and it goes back to the front of the queue to be recomputed later
+(prompt + the tokens it already generated), so no request is ever lost. Full blocks it computed stay
+in the prefix cache and usually make the recompute cheap.
 """
 
 from __future__ import annotations

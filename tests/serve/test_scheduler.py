@@ -76,3 +76,25 @@ def test_preemption_by_recompute_when_blocks_run_out():
     sched.finish(a, "stop")
     batch = sched.schedule()
     assert batch.seqs == [b] and batch.num_new_tokens == [9]  # recomputes prompt + output
+
+
+def test_decodes_never_wait_behind_a_prefill():
+    """Random arrivals and prompt lengths: every step schedules every running decode, and at most one
+    sequence (the last) runs a partial prefill chunk."""
+    import random
+
+    rng = random.Random(0)
+    sched = make(num_blocks=512, max_num_batched_tokens=24)
+    for step in range(300):
+        if step % 3 == 0:
+            sched.add(seq(rng.randint(1, 60), start=rng.randrange(1000)))
+        decoding = {s.seq_id for s in sched.running if s.num_tokens - s.num_computed_tokens == 1}
+        batch = sched.schedule()
+        assert decoding <= {s.seq_id for s in batch.seqs}
+        partial = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True))
+                   if s.num_computed_tokens + n < s.num_tokens]
+        assert partial in ([], [len(batch.seqs) - 1])
+        finish_step(sched, batch)
+        for s in list(sched.running):
+            if s.num_output_tokens >= 5:
+                sched.finish(s, "length")
