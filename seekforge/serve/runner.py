@@ -42,8 +42,9 @@ class Runner:
                        for _ in model.layers]
 
     def prepare(self, batch: ScheduledBatch):
-        """Flat input ids, positions, metadata, and the flat index of each sampling sequence's last token.
-        Sequences are laid out decodes first (see kv_cache.py). Returns the order used, too."""
+        """→ input ids (1, T), positions (T,), AttentionMetadata, sample rows (N,) = flat index of the last
+        token of each sequence that samples this step, and those N sequences. Sequences are laid out
+        decodes first (see kv_cache.py)."""
         decodes, prefills = [], []
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             (decodes if n == 1 and seq.num_computed_tokens > 0 else prefills).append((seq, n))
