@@ -265,3 +265,43 @@ def preset(name: str, **overrides) -> ModelConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
     return ModelConfig(**{**PRESETS[name], **overrides})
+
+
+@dataclass
+class EngineConfig:
+    """Serving engine knobs (serve/). `kv_cache_memory` sizes the paged latent cache: "512MiB", "2GiB"
+    or a byte count; `num_kv_blocks` overrides it (tests use it to force preemption)."""
+
+    block_size: int = 16
+    kv_cache_memory: str | int = "512MiB"
+    num_kv_blocks: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self):
+        for key in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
+                raise ValueError(f"EngineConfig.{key}={getattr(self, key)!r}: must be a positive integer")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"EngineConfig.num_kv_blocks={self.num_kv_blocks}: give at least 1, or None")
+        self.kv_cache_bytes = parse_bytes(self.kv_cache_memory)
+
+
+def parse_bytes(size: str | int) -> int:
+    """"512MiB" / "2GiB" / "100MB" / 1048576 → bytes."""
+    if isinstance(size, int):
+        return size
+    units = {"gib": 2**30, "mib": 2**20, "kib": 2**10, "gb": 10**9, "mb": 10**6, "kb": 10**3, "b": 1}
+    text = size.strip().lower()
+    if text.isdigit():
+        return int(text)
+    for unit, scale in units.items():
+        if text.endswith(unit):
+            try:
+                return int(float(text[: -len(unit)]) * scale)
+            except ValueError:
+                break
+    raise ValueError(f"memory size {size!r} not understood; write e.g. '512MiB', '2GiB' or a byte count")

@@ -1,0 +1,376 @@
+"""The engine: requests in, completions out.
+
+    LLMEngine   — synchronous core: add_request / abort / step. One step = schedule → run → sample →
+                  update sequences (stop checks, detokenize) → finished sequences release their blocks.
+    LLM         — offline API: `LLM("tiny").generate(["Hello", [1, 2, 3]], SamplingParams(max_tokens=8))`.
+    AsyncEngine — runs an LLMEngine on a background thread for the server: `async for out in
+                  engine.generate(prompt, params)` streams cumulative RequestOutputs; leaving the loop
+                  early (client gone) aborts the request and frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import torch
+
+from seekforge.config import EngineConfig
+from seekforge.model.model import Transformer
+from seekforge.serve.block_manager import BlockManager
+from seekforge.serve.runner import Runner, num_kv_blocks
+from seekforge.serve.sampling import sample
+from seekforge.serve.scheduler import Scheduler
+from seekforge.serve.sequence import SamplingParams, Sequence
+
+log = logging.getLogger("seekforge.serve")
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    logprobs: list[dict] | None  # per token: {"token_id", "logprob", "top": [(id, logprob), ...]}
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int  # prompt tokens served by the prefix cache
+    ttft: float | None = None  # seconds from arrival to the first token (first completion)
+    tpot: float | None = None  # seconds per output token after the first (finished requests)
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    seqs: list[Sequence]
+
+
+class LLMEngine:
+    def __init__(self, model: Transformer, tokenizer, config: EngineConfig | None = None):
+        self.config = config = config or EngineConfig()
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        cfg = model.cfg
+        self.max_model_len = config.max_model_len or cfg.max_position_embeddings
+        if self.max_model_len > cfg.max_position_embeddings:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings="
+                             f"{cfg.max_position_embeddings}; lower it")
+        num_blocks = num_kv_blocks(model, config)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.runner = Runner(model, config, num_blocks)
+        self.capacity = num_blocks * config.block_size
+        self.eos_token_id = tokenizer.eos_token_id
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self.num_steps = 0
+        self.num_aborted = 0
+        per_token = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * cfg.num_hidden_layers
+        log.info("KV cache: %d blocks x %d tokens = %d max concurrent tokens (%.1f MiB, %d values/token)",
+                 num_blocks, config.block_size, self.capacity,
+                 sum(c.c_kv.nbytes + c.k_pe.nbytes for c in self.runner.caches) / 2**20, per_token)
+
+    # ------------------------------------------------------------------ requests
+    def make_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                     request_id: str | None = None, cache_salt: str | None = None) -> Request:
+        """Validate and tokenize, touching no engine state (safe from any thread)."""
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            bos = self.tokenizer.bos_token_id
+            prompt_ids = self.tokenizer.encode(prompt, add_bos=bos is not None)
+        else:
+            prompt_ids = [int(t) for t in prompt]
+        vocab = self.model.cfg.vocab_size
+        if not prompt_ids:
+            raise ValueError("the prompt is empty; give at least one token")
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}); got {min(prompt_ids)}..{max(prompt_ids)}")
+        n, limit = len(prompt_ids), self.max_model_len
+        if n >= limit:
+            raise ValueError(f"the prompt has {n} tokens but the context length is {limit}; shorten the "
+                             "prompt so at least one token can be generated")
+        max_tokens = params.max_tokens if params.max_tokens is not None else limit - n
+        if n + max_tokens > limit:
+            raise ValueError(f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds the "
+                             f"context length {limit}; lower max_tokens to at most {limit - n}")
+        if n + max_tokens > self.capacity:
+            raise ValueError(f"the request needs {n + max_tokens} tokens of KV cache but it holds {self.capacity}; "
+                             "lower max_tokens or raise --kv-cache-memory")
+        if not self.config.enable_chunked_prefill and n + max_tokens > self.config.max_num_batched_tokens:
+            raise ValueError(f"without chunked prefill a sequence of up to {n + max_tokens} tokens must fit one "
+                             f"step (max_num_batched_tokens={self.config.max_num_batched_tokens}); enable "
+                             "chunked prefill or raise max_num_batched_tokens")
+        request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        seqs = [Sequence(request_id, i, prompt_ids, params, max_tokens, self.eos_token_id, cache_salt)
+                for i in range(params.n)]
+        return Request(request_id, prompt_ids, seqs)
+
+    def add(self, request: Request) -> str:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already running; use a unique id")
+        self.requests[request.request_id] = request
+        for seq in request.seqs:
+            self.scheduler.add(seq)
+        return request.request_id
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, cache_salt: str | None = None) -> str:
+        return self.add(self.make_request(prompt, params, request_id, cache_salt))
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        self.num_aborted += 1
+        for seq in request.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+        return self._output(request)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def reset_prefix_cache(self) -> None:
+        """Call after changing the model's weights in place (e.g. between GRPO steps)."""
+        self.block_manager.reset_prefix_cache()
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; return the (cumulative) outputs of requests that got tokens or finished."""
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            assert not self.scheduler.running, "scheduled nothing while sequences run"
+            return []
+        logits, sample_seqs = self.runner.run(batch)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            seq.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(seq)
+        token_ids, infos = sample(logits, sample_seqs) if sample_seqs else ([], [])
+        now = time.monotonic()
+        touched: dict[str, Request] = {}
+        for seq, token_id, info in zip(sample_seqs, token_ids, infos, strict=True):
+            seq.token_ids.append(token_id)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            if info is not None:
+                seq.logprobs.append(info)
+            self._check_stop(seq, token_id)
+            if seq.finish_reason is not None:
+                seq.finish_time = now
+                self.scheduler.finish(seq, seq.finish_reason)
+            touched[seq.request_id] = self.requests[seq.request_id]
+        self.num_steps += 1
+        outputs = []
+        for request in touched.values():
+            out = self._output(request)
+            if out.finished:
+                del self.requests[request.request_id]
+            outputs.append(out)
+        return outputs
+
+    def _check_stop(self, seq: Sequence, token_id: int) -> None:
+        params = seq.params
+        if token_id in seq.stop_token_ids and seq.num_output_tokens >= params.min_tokens:
+            seq.finish_reason = "stop"
+            return
+        if params.stop:
+            text = self.tokenizer.decode(seq.output_token_ids)
+            # a new token can only complete a stop string that ends in the not-yet-checked tail
+            search_from = max(0, len(seq.text) - max(len(s) for s in params.stop))
+            hits = [i for i in (text.find(s, search_from) for s in params.stop) if i >= 0]
+            seq.text = text
+            if hits and seq.num_output_tokens >= params.min_tokens:
+                seq.text = text[:min(hits)]
+                seq.finish_reason = "stop"
+                return
+        if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.finish_reason = "length"
+
+    def _text(self, seq: Sequence) -> str:
+        if seq.finish_reason == "stop" and seq.params.stop and seq.token_ids[-1] not in seq.stop_token_ids:
+            return seq.text  # cut at the stop string
+        ids = seq.output_token_ids
+        if ids and seq.finish_reason == "stop" and ids[-1] in seq.stop_token_ids:
+            ids = ids[:-1]  # the stop token is in token_ids, not in the text
+        text = self.tokenizer.decode(ids)
+        if not seq.is_finished:
+            # While streaming, hold back what may still change: a partial UTF-8 character, or the start
+            # of a stop string that the next tokens may complete (it must never be sent).
+            text = text.rstrip("\ufffd")
+            if seq.params.stop:
+                text = text[:max(0, len(text) - max(len(s) for s in seq.params.stop) + 1)]
+        return text
+
+    def _output(self, request: Request) -> RequestOutput:
+        seqs = request.seqs
+        outputs = [CompletionOutput(s.index, self._text(s), s.output_token_ids, s.finish_reason,
+                                    list(s.logprobs) if s.params.logprobs is not None else None) for s in seqs]
+        finished = all(s.is_finished for s in seqs)
+        first = [s.first_token_time for s in seqs if s.first_token_time is not None]
+        ttft = min(first) - seqs[0].arrival_time if first else None
+        tpot = None
+        if finished:
+            decode_times = [(s.finish_time - s.first_token_time) / (s.num_output_tokens - 1)
+                            for s in seqs if s.finish_time and s.first_token_time and s.num_output_tokens > 1]
+            tpot = sum(decode_times) / len(decode_times) if decode_times else None
+        return RequestOutput(request.request_id, request.prompt_token_ids, outputs, finished,
+                             seqs[0].num_cached_tokens, ttft, tpot)
+
+    def stats(self) -> dict:
+        bm = self.block_manager
+        return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
+                "kv_cache_usage": bm.usage, "prefix_cache_hit_rate": bm.prefix_hit_rate,
+                "num_free_blocks": bm.num_free_blocks, "num_blocks": bm.num_blocks,
+                "num_preemptions": self.scheduler.num_preemptions, "num_aborted": self.num_aborted}
+
+
+class LLM:
+    """Offline batched generation: `LLM("tiny").generate(prompts, SamplingParams(...))`.
+
+    `model`: a preset name, an HF-format checkpoint directory, or a built `Transformer` (then pass
+    `tokenizer`, default the byte tokenizer). Other keyword arguments are `EngineConfig` fields."""
+
+    def __init__(self, model: str | Transformer = "tiny", tokenizer=None, dtype=torch.float32, **engine_kwargs):
+        from seekforge.generate import load_model
+        from seekforge.model.tokenizer import load_tokenizer
+
+        if isinstance(model, Transformer):
+            tokenizer = tokenizer or load_tokenizer("byte")
+        else:
+            model, loaded_tokenizer = load_model(model, dtype)
+            tokenizer = tokenizer or loaded_tokenizer
+        self.engine = LLMEngine(model, tokenizer, EngineConfig(**engine_kwargs))
+        self.tokenizer = tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 ) -> list[RequestOutput]:
+        """prompts: a string, a list of token ids, or a list of either. Outputs come in prompt order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not isinstance(sampling_params, list):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"{len(sampling_params)} SamplingParams for {len(prompts)} prompts; give one or "
+                             "one per prompt")
+        engine = self.engine
+        requests = [engine.make_request(p, sp) for p, sp in zip(prompts, sampling_params, strict=True)]
+        ids = [engine.add(r) for r in requests]  # all validated first: a bad prompt adds nothing
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(ids):
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        return [done[i] for i in ids]
+
+    def reset_prefix_cache(self) -> None:
+        """The engine shares the model object: after updating its weights in place (GRPO), call this
+        so no request reuses latents computed with the old weights."""
+        self.engine.reset_prefix_cache()
+
+    def chat(self, conversations: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        """One conversation ([{"role", "content"}, ...]) or a list of them, through the chat template."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        prompts = [self.tokenizer.apply_chat_template(c) for c in conversations]
+        return self.generate(prompts, sampling_params)
+
+
+class AsyncEngine:
+    """An LLMEngine stepping on a background thread; asyncio callers add, stream and abort requests.
+
+    Requests and aborts reach the engine through a queue that the engine thread drains between steps,
+    so the scheduler's state is only ever touched by that one thread. A failing step fails the
+    requests in flight (their streams raise) and the engine keeps serving."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="seekforge-engine", daemon=True)
+        self._thread.start()
+
+    def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
+                 request_id: str | None = None, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Validate now (a bad request raises ValueError here, before any streaming starts) and return
+        the stream of cumulative outputs; the request starts when the stream is first awaited."""
+        return self._stream(self.engine.make_request(prompt, params, request_id, cache_salt))
+
+    async def _stream(self, request: Request) -> AsyncIterator[RequestOutput]:
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request.request_id] = (asyncio.get_running_loop(), stream)
+        self._commands.put(("add", request))
+        finished = False
+        try:
+            while not finished:
+                item = await stream.get()
+                if isinstance(item, Exception):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._streams.pop(request.request_id, None)
+            if not finished:
+                self._commands.put(("abort", request.request_id))
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._commands.put(("wake", None))
+        self._thread.join(timeout=10)
+
+    def _deliver(self, request_id: str, item) -> None:
+        target = self._streams.get(request_id)
+        if target is not None:
+            loop, stream = target
+            loop.call_soon_threadsafe(stream.put_nowait, item)
+
+    def _loop(self) -> None:
+        engine = self.engine
+        while not self._stop.is_set():
+            try:
+                # Idle: block for the next command. Busy: take what has arrived, then step.
+                command = self._commands.get(timeout=0.5) if not engine.has_unfinished() else \
+                    self._commands.get_nowait()
+                while True:
+                    kind, payload = command
+                    if kind == "add":
+                        try:
+                            engine.add(payload)
+                        except ValueError as e:
+                            self._deliver(payload.request_id, e)
+                    elif kind == "abort":
+                        engine.abort(payload)
+                    command = self._commands.get_nowait()
+            except queue.Empty:
+                pass
+            if not engine.has_unfinished():
+                continue
+            try:
+                outputs = engine.step()
+            except Exception as e:  # keep serving: fail what was in flight, free its blocks
+                log.exception("engine step failed; failing %d requests", len(engine.requests))
+                for request_id in list(engine.requests):
+                    engine.abort(request_id)
+                    self._deliver(request_id, RuntimeError(f"engine step failed: {e}"))
+                continue
+            for out in outputs:
+                self._deliver(out.request_id, out)

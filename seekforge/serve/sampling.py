@@ -1,0 +1,107 @@
+"""Batched sampling: one pass over the (N, V) logits of all sequences that sample this step.
+
+Order, per row: penalties (repetition over prompt + output; presence / frequency over output) →
+stop tokens masked until min_tokens → temperature → top-k, top-p, min-p (one sort serves all three)
+→ draw. Greedy rows take the argmax of the penalized logits.
+
+The draw uses the exponential-race form of sampling: argmax(p / E) with E ~ Exp(1) i.i.d. picks index
+i with probability p_i, and lets every row draw from its own stream: seeded sequences fill their
+row of E from their own torch.Generator (V draws per token, whatever else is in the batch), so a
+seeded request gives the same tokens alone or in any batch. Unseeded rows share one global draw.
+
+Logprobs are those of the model's distribution (log_softmax of the raw logits, before penalties and
+temperature), as vLLM reports by default.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from seekforge.serve.sequence import Sequence
+
+
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """logits (N, V) → penalized copy; rows without penalties are unchanged."""
+    n, v = logits.shape
+    device = logits.device
+
+    def counts_of(id_lists):  # (N, V) occurrences, via one scatter_add over a padded (N, Lmax) tensor
+        width = max(1, max(len(ids) for ids in id_lists))
+        padded = torch.full((n, width), v, dtype=torch.long)
+        for i, ids in enumerate(id_lists):
+            padded[i, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+        counts = torch.zeros(n, v + 1, device=device)  # column v collects the padding
+        counts.scatter_add_(1, padded.to(device), torch.ones(n, width, device=device))
+        return counts[:, :v]
+
+    output_counts = counts_of([s.output_token_ids for s in seqs])
+    params = [s.params for s in seqs]
+    presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
+    frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
+    repetition = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
+    logits = logits - presence * (output_counts > 0) - frequency * output_counts
+    if (repetition != 1).any():
+        seen = (output_counts > 0) | (counts_of([s.token_ids[:s.num_prompt_tokens] for s in seqs]) > 0)
+        penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
+        logits = torch.where(seen, penalized, logits)
+    return logits
+
+
+def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor):
+    """logits (N, V) already divided by temperature; top_k (N,) (0 = off), top_p, min_p (N,).
+    Returns logits with the filtered-out entries at -inf."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    rank = torch.arange(logits.shape[-1], device=logits.device)
+    # top-k first; top-p then applies to the renormalized survivors (as generate.sample_next does)
+    sorted_logits = sorted_logits.masked_fill((top_k[:, None] > 0) & (rank >= top_k[:, None]), float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    drop = probs.cumsum(dim=-1) - probs >= top_p[:, None]  # keep the smallest set reaching top_p
+    drop |= probs < min_p[:, None] * probs[:, :1]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[dict | None]]:
+    """logits (N, V) fp32 for seqs → next token ids and, per row, logprob info (None if not asked)."""
+    raw = logits
+    params = [s.params for s in seqs]
+    if any(p.has_penalties for p in params):
+        logits = apply_penalties(logits, seqs)
+    for i, seq in enumerate(seqs):
+        if seq.num_output_tokens < seq.params.min_tokens and seq.stop_token_ids:
+            if logits is raw:
+                logits = logits.clone()
+            logits[i, list(seq.stop_token_ids)] = float("-inf")
+    greedy_ids = logits.argmax(dim=-1)
+    if all(p.greedy for p in params):
+        next_ids = greedy_ids
+    else:
+        device = logits.device
+        temperature = torch.tensor([p.temperature or 1.0 for p in params], device=device)
+        scaled = logits / temperature[:, None]
+        if any(p.top_k or p.top_p < 1 or p.min_p > 0 for p in params):
+            scaled = filter_logits(scaled, torch.tensor([p.top_k for p in params], device=device),
+                                   torch.tensor([p.top_p for p in params], device=device),
+                                   torch.tensor([p.min_p for p in params], device=device))
+        probs = scaled.softmax(dim=-1)
+        noise = torch.empty_like(probs).exponential_()
+        for i, seq in enumerate(seqs):
+            if seq.generator is not None and not seq.params.greedy:
+                noise[i] = torch.empty(probs.shape[1]).exponential_(generator=seq.generator).to(device)
+        sampled = (probs / noise).argmax(dim=-1)
+        is_greedy = torch.tensor([p.greedy for p in params], device=device)
+        next_ids = torch.where(is_greedy, greedy_ids, sampled)
+    token_ids = next_ids.tolist()
+    infos: list[dict | None] = [None] * len(seqs)
+    wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if wanted:
+        rows = torch.tensor(wanted, device=raw.device)
+        logp = raw[rows].log_softmax(dim=-1)
+        chosen = logp.gather(1, next_ids[rows, None])[:, 0].tolist()
+        k = max(params[i].logprobs for i in wanted)
+        top = logp.topk(k, dim=-1) if k else None
+        for j, i in enumerate(wanted):
+            ki = params[i].logprobs
+            top_pairs = list(zip(top.indices[j, :ki].tolist(), top.values[j, :ki].tolist(), strict=True)) if ki else []
+            infos[i] = {"token_id": token_ids[i], "logprob": chosen[j], "top": top_pairs}
+    return token_ids, infos

@@ -1,0 +1,137 @@
+"""A request's sampling parameters and the per-sequence state the engine moves around.
+
+One request with `n` completions becomes `n` Sequences that share the prompt. A Sequence's state is
+explicit: its tokens (prompt + output), how many of them have latents in the cache
+(`num_computed_tokens`), the cache blocks that hold them (`block_table`) and the chained hashes of
+its full blocks (`block_hashes`, for prefix caching).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """OpenAI/vLLM sampling parameters. temperature 0 is greedy; top_k 0, top_p 1, min_p 0 are off."""
+
+    n: int = 1
+    max_tokens: int | None = 16  # None: up to the model's context length
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # HF/CTRL style, over prompt and output tokens
+    presence_penalty: float = 0.0  # OpenAI style, over output tokens
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: off; k >= 0: the chosen token's logprob and the top k
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in (self.stop or []) if s]
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k is None or self.top_k < 0:  # vLLM spells "off" as -1
+            self.top_k = 0
+
+        def bad(key, expected):
+            raise ValueError(f"{key}={getattr(self, key)!r}: {expected}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            bad("n", "must be an integer >= 1")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            bad("max_tokens", "must be an integer >= 1 (or null for the rest of the context)")
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            bad("min_tokens", "must be in [0, max_tokens]")
+        if self.temperature < 0:
+            bad("temperature", "must be >= 0 (0 is greedy)")
+        if not 0 < self.top_p <= 1:
+            bad("top_p", "must be in (0, 1]")
+        if not 0 <= self.min_p <= 1:
+            bad("min_p", "must be in [0, 1]")
+        if self.repetition_penalty <= 0:
+            bad("repetition_penalty", "must be > 0 (1 is off)")
+        for key in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, key) <= 2:
+                bad(key, "must be in [-2, 2]")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            bad("logprobs", "must be in [0, 20]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_seq_ids = itertools.count()
+
+
+class Sequence:
+    def __init__(self, request_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams,
+                 max_tokens: int, eos_token_id: int | None, cache_salt: str | None = None):
+        self.seq_id = next(_seq_ids)
+        self.request_id = request_id
+        self.index = index  # which of the request's n completions
+        self.params = params
+        self.max_tokens = max_tokens  # resolved: params.max_tokens or the rest of the context
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.status = Status.WAITING
+        self.num_computed_tokens = 0  # tokens whose latents are in the cache
+        self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first admission
+        self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []  # chained hashes of the full blocks, in order
+        self.cache_salt = cache_salt
+        self.stop_token_ids = set(params.stop_token_ids)
+        if eos_token_id is not None and not params.ignore_eos:
+            self.stop_token_ids.add(eos_token_id)
+        # Each completion of a seeded request gets its own stream, so results do not depend on batching.
+        self.generator = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed + index)
+        self.logprobs: list[dict] = []  # per output token: {"token_id", "logprob", "top": [(id, logprob)]}
+        self.text = ""  # detokenized output, cut at a stop string
+        self.finish_reason: str | None = None
+        self.arrival_time = time.monotonic()
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+        self.num_preemptions = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def __repr__(self):
+        return (f"Sequence(id={self.seq_id}, request={self.request_id!r}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={len(self.block_table)}, {self.status.value})")
