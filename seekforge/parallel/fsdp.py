@@ -1,0 +1,46 @@
+"""FSDP2 / HSDP with `fully_shard`, one parameter group per block.
+
+Groups: each Block (main layers) and each MTP module; the routed experts of an expert-parallel MoE
+get their own group on the expert-data-parallel mesh; everything else (embedding, final norm, head)
+sits in the root group. The root and the MTP modules are not resharded after forward: the loss code calls
+`model.norm`, `model.lm_head`, `model.embed_tokens` and each MTP module's `norm` outside those
+modules' forward, and those calls must find the weights gathered.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+
+from seekforge.model.moe import MoE
+
+
+def mixed_precision_policy(name: str) -> MixedPrecisionPolicy:
+    """"bf16": bf16 parameters for compute, gradients reduced (and kept) in fp32."""
+    if name == "bf16":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy,
+               expert_mesh: DeviceMesh | None = None, expert_grad_divide_factor: int | None = None) -> None:
+    """Shard `model` (a Transformer or a pipeline stage) over `dp_mesh` (1-D: FSDP; 2-D replicate ×
+    shard: HSDP). With expert parallelism, experts shard over `expert_mesh` instead; their gradients
+    are sums over the whole ep group's tokens, so they divide by the full data-parallel size
+    (`expert_grad_divide_factor`) rather than by their own mesh size."""
+    for module in model.modules():
+        if isinstance(module, MoE) and expert_mesh is not None:
+            fully_shard(module.experts, mesh=expert_mesh, mp_policy=mp_policy)
+            module.experts.set_gradient_divide_factor(float(expert_grad_divide_factor))
+    layers = getattr(model, "layers", [])
+    for block in list(layers.values() if isinstance(layers, nn.ModuleDict) else layers):
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy)  # the block, or its recompute wrapper
+    for mtp_module in getattr(model, "mtp", []):
+        # mtp_losses applies `module.norm` after the module's forward: keep its weights gathered.
+        fully_shard(mtp_module, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=False)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=False)
+    if hasattr(model, "hidden"):
+        register_fsdp_forward_method(model, "hidden")
+
