@@ -13,7 +13,7 @@ Per layer, forward:
                rank) order for one grouped GEMM.
   4. combine:  the outputs return along the reverse splits; the local weighted sum follows.
 Backward mirrors this with the saved splits. `_Wait.backward` starts the gradient exchange and
-`_Start.backward` finishes it; autograd runs nodes recorded later first, so the shared experts'
+`_Start.backward` finishes it and returns the result; autograd runs nodes recorded later first, so the shared experts'
 backward (recorded between start and wait) runs while the dispatch gradients are in flight.
 """
 
@@ -34,17 +34,20 @@ class _InFlight:
         self.group, self.input_splits, self.output_splits = group, input_splits, output_splits
         self.work = None
         self.send = None  # keeps the send buffer alive until the exchange completes
+        self.received = None
 
     def start(self, x: torch.Tensor, output_splits: list[int], input_splits: list[int]) -> torch.Tensor:
         self.send = x.contiguous()
-        out = x.new_empty(sum(output_splits), *x.shape[1:])
-        self.work = dist.all_to_all_single(out, self.send, output_splits, input_splits,
+        self.received = x.new_empty(sum(output_splits), *x.shape[1:])
+        self.work = dist.all_to_all_single(self.received, self.send, output_splits, input_splits,
                                            group=self.group, async_op=True)
-        return out
+        return self.received
 
-    def wait(self) -> None:
+    def wait(self) -> torch.Tensor:
         self.work.wait()
-        self.work = self.send = None
+        received = self.received
+        self.work = self.send = self.received = None
+        return received
 
 
 class _Start(torch.autograd.Function):
@@ -57,9 +60,8 @@ class _Start(torch.autograd.Function):
         return flight.start(x, flight.output_splits, flight.input_splits)
 
     @staticmethod
-    def backward(ctx, grad):
-        ctx.flight.wait()  # `grad` is the buffer _Wait.backward's exchange was filling
-        return grad, None
+    def backward(ctx, placeholder):
+        return ctx.flight.wait(), None  # the gradient exchange _Wait.backward started
 
 
 class _Wait(torch.autograd.Function):
@@ -74,7 +76,8 @@ class _Wait(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         flight = ctx.flight
-        return flight.start(grad, flight.input_splits, flight.output_splits), None
+        flight.start(grad, flight.input_splits, flight.output_splits)
+        return grad, None  # a placeholder for _Start.backward, which returns the exchanged gradient
 
 
 def all_to_all(x: torch.Tensor, flight: _InFlight) -> torch.Tensor:
