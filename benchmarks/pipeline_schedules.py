@@ -1,6 +1,6 @@
 """Pipeline schedules side by side: the same model, data and micro-batches on 2 gloo ranks under
 1F1B, Interleaved1F1B, ZBVZeroBubble and DualPipeV. Prints the median training-step time (forward +
-backward over all micro-batches + AdamW) of several steps and its ratio to 1F1B.
+backward over all micro-batches + AdamW) of several steps, taken round-robin, and its ratio to 1F1B.
 
     python benchmarks/pipeline_schedules.py [--layers 8] [--microbatches 8] [--steps 6]
 
@@ -40,13 +40,16 @@ def rank_main(rank: int, world: int, tmp: str, args) -> None:
     cfg = preset("tiny", num_hidden_layers=args.layers)
     tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(0))
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
-    results = {}
+    runners = {}
     for schedule in SCHEDULES:
         pc = ParallelConfig(pp=world, pp_schedule=schedule, microbatches=args.microbatches)
         runner = PipelineRunner(build_model(cfg, seed=0), pc, build_mesh(pc, cfg))
-        opt = torch.optim.AdamW(runner.parameters(), lr=1e-4)
-        times = []
-        for step in range(args.steps + 1):  # the first step (shape inference, warm-up) is not timed
+        runners[schedule] = (runner, torch.optim.AdamW(runner.parameters(), lr=1e-4))
+    times = {schedule: [] for schedule in SCHEDULES}
+    # Round-robin over schedules, so drifting load on the shared machine hits all of them alike; the
+    # first round (shape inference, allocator warm-up) is not timed.
+    for step in range(args.steps + 1):
+        for schedule, (runner, opt) in runners.items():
             dist.barrier()
             start = time.perf_counter()
             runner.step(inputs, labels)
@@ -54,8 +57,8 @@ def rank_main(rank: int, world: int, tmp: str, args) -> None:
             opt.zero_grad()
             dist.barrier()
             if step:
-                times.append(time.perf_counter() - start)
-        results[schedule] = statistics.median(times)
+                times[schedule].append(time.perf_counter() - start)
+    results = {schedule: statistics.median(t) for schedule, t in times.items()}
     if rank == 0:
         base = results["1F1B"]
         print(f"tiny preset, {args.layers} layers, batch {args.batch} x seq {args.seq}, "
