@@ -122,6 +122,8 @@ def _grouped_mm_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
         return False
     if x.dtype not in (torch.float32, torch.bfloat16) or x.shape[0] == 0:
         return False
+    if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:
+        return False  # torch 2.13's meta kernel, used while tracing, accepts only bf16
     align = 16 // x.element_size()
     return x.shape[-1] % align == 0 and weight.shape[-2] % align == 0
 
