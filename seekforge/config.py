@@ -288,6 +288,7 @@ class ParallelConfig:
     ep: int = 1
     pp: int = 1
     cp: int = 1  # context parallel is not implemented; kept so layouts read like torchtitan's
+    sequence_parallel: bool = False  # with tp > 1: norms run on T/tp tokens (parallel/tp.py)
     pp_schedule: str = "1F1B"
     microbatches: int = 1  # pipeline micro-batches per step
     pp_split_points: list[int] | None = None  # first layer of stages 1..n-1; None: even split
@@ -306,6 +307,9 @@ class ParallelConfig:
             raise ValueError(f"ParallelConfig.pp_schedule={self.pp_schedule!r}: choose one of {PIPELINE_SCHEDULES}")
         if self.mixed_precision not in ("fp32", "bf16"):
             raise ValueError(f"ParallelConfig.mixed_precision={self.mixed_precision!r}: use 'fp32' or 'bf16'")
+        if self.sequence_parallel and self.pp > 1:
+            raise ValueError("sequence_parallel=True with pp > 1 is not supported (pipeline stages would see "
+                             "T/tp positions); set sequence_parallel=False or pp=1")
         if self.dp_shard % self.ep:
             raise ValueError(f"ep={self.ep} does not divide dp_shard={self.dp_shard}: experts are split over "
                              f"data-parallel ranks; pick ep in {_divisors(self.dp_shard)} or raise dp_shard")

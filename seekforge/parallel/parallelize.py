@@ -22,7 +22,7 @@ from seekforge.parallel.tp import apply_tp
 def parallelize(model: nn.Module, pc: ParallelConfig, mesh: DeviceMesh) -> nn.Module:
     """Apply pc's TP → EP → recompute → compile → FSDP to `model` in place; returns it."""
     if pc.tp > 1:
-        apply_tp(model, mesh["tp"])
+        apply_tp(model, mesh["tp"], pc.sequence_parallel)
     if pc.ep > 1:
         apply_ep(model, mesh["ep"])
     if pc.recompute != "none":
