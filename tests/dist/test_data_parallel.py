@@ -3,8 +3,8 @@ training."""
 
 import pytest
 import torch
-from harness import assert_matches_reference, model_config, reference_run, run_layout
-from launcher import launch
+from dist_harness import assert_matches_reference, model_config, reference_run, run_layout
+from dist_launcher import launch
 
 from seekforge.model.model import build_model
 

@@ -3,8 +3,8 @@ gradients), and runs the shared experts while an all-to-all is in flight, forwar
 
 import torch
 import torch.distributed as dist
-from harness import model_config
-from launcher import launch
+from dist_harness import model_config
+from dist_launcher import launch
 from torch.distributed.device_mesh import init_device_mesh
 
 from seekforge.model.moe import MoE

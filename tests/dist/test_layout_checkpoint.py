@@ -2,8 +2,8 @@
 after loading, and the continued run matches the uninterrupted single-device run."""
 
 import torch
-from harness import assert_matches_reference, model_config, reference_run, run_layout
-from launcher import launch
+from dist_harness import assert_matches_reference, model_config, reference_run, run_layout
+from dist_launcher import launch
 
 LAYERS, STEPS, SAVE_AT = 4, 4, 2
 LOSS_TOL, WEIGHT_TOL = 1e-5, 5e-5

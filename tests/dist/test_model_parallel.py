@@ -1,8 +1,8 @@
 """TP (with and without sequence parallel), EP and TP+EP reproduce single-device training."""
 
 import pytest
-from harness import assert_matches_reference, model_config, run_layout, reference_run
-from launcher import launch
+from dist_harness import assert_matches_reference, model_config, run_layout, reference_run
+from dist_launcher import launch
 
 # fp32. TP changes summation order (row-parallel all-reduce, vocab-parallel softmax); AdamW's
 # normalized update turns that noise into ~1e-5 weight differences after 3 steps.

@@ -1,8 +1,8 @@
 """Pipeline schedules (alone and with FSDP) reproduce single-device training."""
 
 import pytest
-from harness import assert_matches_reference, model_config, reference_run, run_layout
-from launcher import launch
+from dist_harness import assert_matches_reference, model_config, reference_run, run_layout
+from dist_launcher import launch
 
 LOSS_TOL, WEIGHT_TOL = 1e-5, 5e-5  # fp32; micro-batching changes only the order of sums
 LAYERS = 4  # V and interleaved schedules need 2 stages per rank, each with a layer

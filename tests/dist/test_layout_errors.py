@@ -2,8 +2,8 @@
 
 import pytest
 import torch.multiprocessing as mp
-from harness import model_config
-from launcher import launch
+from dist_harness import model_config
+from dist_launcher import launch
 
 from seekforge.config import ParallelConfig
 from seekforge.parallel.mesh import build_mesh

@@ -1,5 +1,5 @@
 """Shared pieces of the layout-equivalence tests: the data, the single-device reference run, and
-the same run under a ParallelConfig on every rank (called through launcher.launch).
+the same run under a ParallelConfig on every rank (called through dist_launcher.launch).
 
 Every layout must reproduce the reference: same tiny model (seed 0), same global batch per step,
 AdamW. Data-parallel ranks take equal slices of the global batch, so the mean of their losses is
