@@ -13,8 +13,9 @@ Per layer, forward:
                rank) order for one grouped GEMM.
   4. combine:  the outputs return along the reverse splits; the local weighted sum follows.
 Backward mirrors this with the saved splits. `_Wait.backward` starts the gradient exchange and
-`_Start.backward` finishes it and returns the result; autograd runs nodes recorded later first, so the shared experts'
-backward (recorded between start and wait) runs while the dispatch gradients are in flight.
+`_Start.backward` finishes it and returns the result. Autograd runs the ready node recorded latest
+first, so the shared experts' backward (recorded between start and wait) runs while the dispatch
+gradients are in flight. tests/dist/test_ep_dropless.py checks this ordering.
 """
 
 from __future__ import annotations

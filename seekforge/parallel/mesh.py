@@ -3,11 +3,10 @@
 Mesh dimensions, outermost first: pp, dp_replicate, dp_shard_mod_ep, ep, tp. Expert parallelism
 borrows its ranks from dp_shard (dp_shard = dp_shard_mod_ep · ep), so experts are split over ranks that
 see different data, and every expert's weights are FSDP-sharded over the dp_shard_mod_ep ranks that
-hold the same experts. Flattened views name the groups the other parts of parallel/ use:
+hold the same experts (with dp_replicate: HSDP). Two flattened views name the other groups:
 
     dp_shard = dp_shard_mod_ep × ep           FSDP of non-expert weights (with dp_replicate: HSDP)
     dp       = dp_replicate × dp_shard        data loading and loss averaging
-Expert weights are FSDP-sharded over dp_shard_mod_ep (with dp_replicate: HSDP).
 """
 
 from __future__ import annotations

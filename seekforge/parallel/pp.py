@@ -106,7 +106,6 @@ class PipelineRunner:
             module = StageModule(model, first, end, stage_id == 0, stage_id == pc.num_stages - 1)
             stage_pc = dataclasses.replace(pc, recompute=_stage_recompute(pc.recompute, first, end, module))
             self.modules.append(parallelize(module, stage_pc, mesh))
-        self.has_first = 0 in self.stage_ids
         self.last = next((m for m in self.modules if m.is_last), None)
         self.tied_group = _tied_embedding_group(mesh, pc) if len(model.mtp) else None
 
@@ -121,12 +120,8 @@ class PipelineRunner:
         # target (B, 2, T) carries the input ids along with the labels: MTP needs both on the last stage.
         return self.last.loss(h, target[:, 0], target[:, 1])
 
-    def parameters(self):
-        seen = {}
-        for module in self.modules:
-            for p in module.parameters():
-                seen.setdefault(id(p), p)
-        return list(seen.values())
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for module in self.modules for p in module.parameters()]  # stages share no parameter
 
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
         """input_ids, labels (B, T), B divisible by microbatches. Returns the mean micro-batch loss on
