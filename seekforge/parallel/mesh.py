@@ -1,12 +1,15 @@
-"""The device mesh for a ParallelConfig.
+"""The device meshes for a ParallelConfig.
 
-Mesh dimensions, outermost first: pp, dp_replicate, dp_shard_mod_ep, ep, tp. Expert parallelism
-borrows its ranks from dp_shard (dp_shard = dp_shard_mod_ep · ep), so experts are split over ranks that
-see different data, and every expert's weights are FSDP-sharded over the dp_shard_mod_ep ranks that
-hold the same experts (with dp_replicate: HSDP). Two flattened views name the other groups:
+One 1-D world mesh, unflattened into three views that share it as their root (so FSDP accepts
+DTensors from any of them), each with its dimensions outermost first:
 
-    dp_shard = dp_shard_mod_ep × ep           FSDP of non-expert weights (with dp_replicate: HSDP)
-    dp       = dp_replicate × dp_shard        data loading and loss averaging
+    dense   pp × dp_replicate × dp_shard × tp                 non-expert weights: FSDP/HSDP, TP, PP
+    experts pp × dp_replicate × dp_shard_mod_ep × ep × tp     expert weights (built when ep > 1)
+    batch   pp × dp × tp                                      data slicing and loss averaging
+
+Expert parallelism borrows its ranks from dp_shard (dp_shard = dp_shard_mod_ep · ep): experts are
+split over ranks that see different data, and each expert's weights are FSDP-sharded over the
+dp_shard_mod_ep ranks holding the same experts (with dp_replicate: HSDP).
 """
 
 from __future__ import annotations
@@ -17,25 +20,24 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from seekforge.config import ModelConfig, ParallelConfig
 
-DIMS = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "tp")
-
 
 class ParallelMesh:
-    """The world DeviceMesh plus its flattened views, looked up by name: mesh["tp"], mesh["dp"],
-    mesh["dp_replicate", "dp_shard"]. Flattened views are kept here because torch wants them
-    bookkept rather than re-sliced from the root."""
+    """The three views, looked up by dimension name: mesh["tp"], mesh["dp"], mesh["ep"],
+    mesh["dp_replicate", "dp_shard"]. `dense.mesh` is the rank grid (pp, dp_replicate, dp_shard, tp)."""
 
-    def __init__(self, world: DeviceMesh, flattened: dict[str, DeviceMesh]):
-        self.world, self.flattened = world, flattened
+    def __init__(self, dense: DeviceMesh, experts: DeviceMesh | None, batch: DeviceMesh):
+        self.dense, self.experts, self.batch = dense, experts, batch
 
     def __getitem__(self, names: str | tuple[str, ...]) -> DeviceMesh:
-        if isinstance(names, str) and names in self.flattened:
-            return self.flattened[names]
-        return self.world[names]
+        wanted = (names,) if isinstance(names, str) else tuple(names)
+        for view in (self.dense, self.experts, self.batch):
+            if view is not None and set(wanted) <= set(view.mesh_dim_names):
+                return view[names]
+        raise KeyError(f"no mesh dimension(s) {wanted}")
 
 
 def build_mesh(pc: ParallelConfig, model_cfg: ModelConfig, device_type: str | None = None) -> ParallelMesh:
-    """Validate the layout against the world size and the model, then build the mesh.
+    """Validate the layout against the world size and the model, then build the meshes.
 
     Call after `dist.init_process_group`. The checks (`ParallelConfig.validate`, which a launcher can
     also call before it spawns ranks) run first, so a bad layout fails on every rank with the same
@@ -44,15 +46,18 @@ def build_mesh(pc: ParallelConfig, model_cfg: ModelConfig, device_type: str | No
     if not dist.is_initialized():
         raise ValueError("build_mesh needs torch.distributed initialized: run under torchrun and call "
                          "init_distributed(), or dist.init_process_group yourself")
-    pc.validate(dist.get_world_size(), model_cfg)
+    world_size = dist.get_world_size()
+    pc.validate(world_size, model_cfg)
     if device_type is None:
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    shape = (pc.pp, pc.dp_replicate, pc.dp_shard // pc.ep, pc.ep, pc.tp)
-    world = init_device_mesh(device_type, shape, mesh_dim_names=DIMS)
-    return ParallelMesh(world, {
-        "dp_shard": world["dp_shard_mod_ep", "ep"]._flatten("dp_shard"),
-        "dp": world["dp_replicate", "dp_shard_mod_ep", "ep"]._flatten("dp"),
-    })
+    world = init_device_mesh(device_type, (world_size,), mesh_dim_names=("world",))
+    dense = world._unflatten(0, (pc.pp, pc.dp_replicate, pc.dp_shard, pc.tp), ("pp", "dp_replicate", "dp_shard", "tp"))
+    experts = None
+    if pc.ep > 1:
+        experts = world._unflatten(0, (pc.pp, pc.dp_replicate, pc.dp_shard // pc.ep, pc.ep, pc.tp),
+                                   ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "tp"))
+    batch = world._unflatten(0, (pc.pp, pc.dp_replicate * pc.dp_shard, pc.tp), ("pp", "dp", "tp"))
+    return ParallelMesh(dense, experts, batch)
 
 
 def init_distributed(backend: str | None = None) -> None:

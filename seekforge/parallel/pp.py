@@ -152,7 +152,7 @@ def _tied_embedding_group(mesh: ParallelMesh, pc: ParallelConfig):
     the last stage; None when they are the same rank. Every rank creates every pair (new_group's rule)."""
     if pc.pp_schedule in V_SCHEDULES or pc.pp == 1:
         return None
-    columns = mesh.world.mesh.reshape(pc.pp, -1)  # (pp, other coordinates) of global ranks
+    columns = mesh.dense.mesh.reshape(pc.pp, -1)  # (pp, other coordinates) of global ranks
     mine = None
     for j in range(columns.shape[1]):
         pair = [int(columns[0, j]), int(columns[-1, j])]

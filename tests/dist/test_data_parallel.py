@@ -1,4 +1,4 @@
-"""FSDP2 and HSDP (with and without recompute, compiled blocks, bf16 compute) reproduce single-device
+"""FSDP2 and HSDP (+EP; with and without recompute, compiled blocks, bf16 compute) reproduce single-device
 training."""
 
 import pytest
@@ -18,10 +18,11 @@ def reference():
 
 @pytest.mark.parametrize("layout, world", [
     (dict(dp_shard=2), 2),
-    (dict(dp_replicate=2, dp_shard=2), 4),
+    (dict(dp_replicate=2, dp_shard=2, ep=2), 4),
     (dict(dp_shard=2, recompute="full"), 2),
-    (dict(dp_shard=2, recompute="selective"), 2),
-], ids=["fsdp", "hsdp", "fsdp-recompute-full", "fsdp-recompute-selective"])
+    # selective recompute also runs, per block, in test_pipeline_parallel's PP+FSDP test
+    pytest.param(dict(dp_shard=2, recompute="selective"), 2, marks=pytest.mark.slow),
+], ids=["fsdp", "hsdp-ep", "fsdp-recompute-full", "fsdp-recompute-selective"])
 def test_data_parallel_matches_single_device(reference, layout, world):
     results = launch(run_layout, world, {}, layout)
     worst = assert_matches_reference(results, reference, LOSS_TOL, WEIGHT_TOL)
