@@ -3,7 +3,7 @@ training."""
 
 import pytest
 import torch
-from dist_harness import assert_matches_reference, model_config, reference_run, run_layout
+from dist_harness import STEPS, assert_matches_reference, model_config, reference_run, run_layout
 from dist_launcher import launch
 
 from seekforge.model.model import build_model
@@ -19,14 +19,20 @@ def reference():
 @pytest.mark.parametrize("layout, world", [
     (dict(dp_shard=2), 2),
     (dict(dp_replicate=2, dp_shard=2, ep=2), 4),
-    (dict(dp_shard=2, recompute="full"), 2),
     # selective recompute also runs, per block, in test_pipeline_parallel's PP+FSDP test
     pytest.param(dict(dp_shard=2, recompute="selective"), 2, marks=pytest.mark.slow),
-], ids=["fsdp", "hsdp-ep", "fsdp-recompute-full", "fsdp-recompute-selective"])
+], ids=["fsdp", "hsdp-ep", "fsdp-recompute-selective"])
 def test_data_parallel_matches_single_device(reference, layout, world):
     results = launch(run_layout, world, {}, layout)
     worst = assert_matches_reference(results, reference, LOSS_TOL, WEIGHT_TOL)
     print(f"{layout}: max weight diff {worst:.2e}")
+
+
+def test_auto_parallel_fsdp_full_recompute_matches_single_device(reference):
+    # Built as AutoParallel(model).hsdp(1, 2).tp(1).ep(1).recompute("full").build()
+    results = launch(run_layout, 2, {}, dict(dp_shard=2, recompute="full"), (0, STEPS), None, None, True)
+    worst = assert_matches_reference(results, reference, LOSS_TOL, WEIGHT_TOL)
+    print(f"auto fsdp + full recompute: max weight diff {worst:.2e}")
 
 
 def test_fsdp_bf16_mixed_precision_tracks_fp32(reference):
