@@ -1,10 +1,9 @@
 """FSDP2 / HSDP with `fully_shard`, one parameter group per block.
 
-Groups: each Block (main layers) and each MTP module; the routed experts of an expert-parallel MoE
-get their own group on the expert-data-parallel mesh; everything else (embedding, final norm, head)
-sits in the root group. The root and the MTP modules are not resharded after forward: the loss code calls
-`model.norm`, `model.lm_head`, `model.embed_tokens` and each MTP module's `norm` outside those
-modules' forward, and those calls must find the weights gathered.
+Groups: each Block (main layers), each MTP module, the embedding, and the final norm with the head;
+the routed experts of an expert-parallel MoE get their own group on the expert-data-parallel mesh.
+The root group is then empty, but its hooks (on `forward` and `hidden`) drive FSDP's lazy init.
+MTP modules stay gathered after forward: mtp_losses applies each module's `norm` outside its forward.
 """
 
 from __future__ import annotations
@@ -40,7 +39,18 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, mp_policy: MixedPrecisionP
     for mtp_module in getattr(model, "mtp", []):
         # mtp_losses applies `module.norm` after the module's forward: keep its weights gathered.
         fully_shard(mtp_module, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=False)
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=False)
+    # The embedding and the head are the largest weights (2·V·H), so each gets its own group rather
+    # than staying gathered in the root's. The loss code calls them directly (and MTP calls them
+    # again); the head runs last in forward and first in backward, so it is not resharded between.
+    embed, head = getattr(model, "embed_tokens", None), getattr(model, "lm_head", None)
+    if embed is not None and head is not None and head.weight is embed.weight:  # tie_word_embeddings
+        fully_shard([embed, model.norm, head], mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=False)
+    else:
+        if embed is not None:
+            fully_shard(embed, mesh=dp_mesh, mp_policy=mp_policy)
+        if head is not None:
+            fully_shard([model.norm, head], mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=False)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy)
     if hasattr(model, "hidden"):
         register_fsdp_forward_method(model, "hidden")
 

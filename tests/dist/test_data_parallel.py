@@ -8,7 +8,10 @@ from dist_launcher import launch
 
 from seekforge.model.model import build_model
 
-LOSS_TOL, WEIGHT_TOL = 1e-5, 5e-5  # fp32; AdamW's normalized update amplifies reduction-order noise
+# fp32. Losses agree to ~1e-6; weights differ (measured <= 5.2e-5) where AdamW's m/(sqrt(v)+eps)
+# amplifies reduction-order noise in near-zero gradients. A real gradient error moves weights by
+# about lr = 1e-3 per step.
+LOSS_TOL, WEIGHT_TOL = 1e-5, 1e-4
 
 
 @pytest.fixture(scope="module")

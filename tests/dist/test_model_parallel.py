@@ -4,9 +4,10 @@ import pytest
 from dist_harness import assert_matches_reference, model_config, run_layout, reference_run
 from dist_launcher import launch
 
-# fp32. TP changes summation order (row-parallel all-reduce, vocab-parallel softmax); AdamW's
-# normalized update turns that noise into ~1e-5 weight differences after 3 steps.
-LOSS_TOL, WEIGHT_TOL = 1e-5, 5e-5
+# fp32. Losses agree to ~1e-6; weights differ (measured <= 5.2e-5) where AdamW's m/(sqrt(v)+eps)
+# amplifies reduction-order noise in near-zero gradients. A real gradient error moves weights by
+# about lr = 1e-3 per step.
+LOSS_TOL, WEIGHT_TOL = 1e-5, 1e-4
 
 
 @pytest.fixture(scope="module")
