@@ -100,12 +100,11 @@ class PipelineRunner:
         pp_rank = mesh["pp"].get_local_rank()
         ranges = stage_layer_ranges(model.cfg.num_hidden_layers, pc.num_stages, pc.pp_split_points)
         self.stage_ids = stage_ids_of_rank(pp_rank, pc)
-        self.modules = []
-        for stage_id in self.stage_ids:
-            first, end = ranges[stage_id]
-            module = StageModule(model, first, end, stage_id == 0, stage_id == pc.num_stages - 1)
-            stage_pc = dataclasses.replace(pc, recompute=_stage_recompute(pc.recompute, first, end, module))
-            self.modules.append(parallelize(module, stage_pc, mesh))
+        # Cut every stage before parallelizing any: the last stage copies the still-plain embedding.
+        self.modules = [StageModule(model, *ranges[i], i == 0, i == pc.num_stages - 1) for i in self.stage_ids]
+        for module, stage_id in zip(self.modules, self.stage_ids, strict=True):
+            stage_pc = dataclasses.replace(pc, recompute=_stage_recompute(pc.recompute, *ranges[stage_id], module))
+            parallelize(module, stage_pc, mesh)
         self.last = next((m for m in self.modules if m.is_last), None)
         self.tied_group = _tied_embedding_group(mesh, pc) if len(model.mtp) else None
 

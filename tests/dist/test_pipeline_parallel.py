@@ -1,4 +1,4 @@
-"""Pipeline schedules (alone and with FSDP) reproduce single-device training."""
+"""Pipeline schedules (alone, with FSDP, with TP) reproduce single-device training."""
 
 import pytest
 from dist_harness import assert_matches_reference, model_config, reference_run, run_layout
@@ -33,3 +33,10 @@ def test_pipeline_with_fsdp_and_per_block_recompute(reference):
                   recompute=["full", "none", "selective", "none", "full"])
     results = launch(run_layout, 4, dict(num_hidden_layers=LAYERS), layout, (0, 3), None, None, True)
     print(f"pp+fsdp max weight diff {assert_matches_reference(results, reference, LOSS_TOL, WEIGHT_TOL):.2e}")
+
+
+def test_pipeline_with_tensor_parallel(reference):
+    # 4 ranks: a V schedule (first and last stage, hence both embedding copies, on pp rank 0) × TP 2.
+    layout = dict(pp=2, tp=2, pp_schedule="ZBVZeroBubble", microbatches=4)
+    results = launch(run_layout, 4, dict(num_hidden_layers=LAYERS), layout)
+    print(f"pp+tp max weight diff {assert_matches_reference(results, reference, LOSS_TOL, WEIGHT_TOL):.2e}")
