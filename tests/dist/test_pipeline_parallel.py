@@ -1,4 +1,4 @@
-"""Pipeline schedules (alone, with FSDP, with TP) reproduce single-device training."""
+"""Pipeline schedules (alone, with FSDP + EP, with TP) reproduce single-device training."""
 
 import pytest
 from dist_harness import assert_matches_reference, model_config, reference_run, run_layout
@@ -26,10 +26,11 @@ def test_pipeline_schedule_matches_single_device(reference, schedule):
     print(schedule, f"max weight diff {assert_matches_reference(results, reference, LOSS_TOL, WEIGHT_TOL):.2e}")
 
 
-def test_pipeline_with_fsdp_and_per_block_recompute(reference):
-    # 4 ranks: 2 pipeline ranks × 2 FSDP ranks; recompute chosen per block (4 layers, then the MTP block).
-    # Built through AutoParallel(model).hsdp(1, 2)....pipeline("Interleaved1F1B", 2, pp=2).
-    layout = dict(pp=2, dp_shard=2, pp_schedule="Interleaved1F1B", microbatches=2,
+def test_pipeline_with_fsdp_ep_and_per_block_recompute(reference):
+    # 4 ranks: 2 pipeline ranks × 2 FSDP ranks, experts split over the FSDP ranks; recompute chosen per
+    # block (4 layers, then the MTP block). Built through AutoParallel(model).hsdp(1, 2).ep(2)...
+    # .pipeline("Interleaved1F1B", 2, pp=2).
+    layout = dict(pp=2, dp_shard=2, ep=2, pp_schedule="Interleaved1F1B", microbatches=2,
                   recompute=["full", "none", "selective", "none", "full"])
     results = launch(run_layout, 4, dict(num_hidden_layers=LAYERS), layout, (0, 3), None, None, True)
     print(f"pp+fsdp max weight diff {assert_matches_reference(results, reference, LOSS_TOL, WEIGHT_TOL):.2e}")
