@@ -6,7 +6,8 @@ I expert intermediate size, S = N·K routed token copies.
 Dropless means no capacity factor: every token copy reaches its expert. Copies are sorted by expert
 id (`LocalDispatcher.dispatch`), run through one grouped GEMM per projection (`GroupedExperts`), and
 scattered back weighted by the router (`LocalDispatcher.combine`). parallel/ep.py swaps the dispatcher
-for an all-to-all one; the experts and the router do not change.
+for an all-to-all one whose `dispatch` returns with the exchange still in flight and whose `wait`
+finishes it; the shared experts run in between. The experts and the router do not change.
 """
 
 from __future__ import annotations
@@ -68,6 +69,9 @@ class LocalDispatcher:
         token_of_copy = order // indices.shape[1]
         return x[token_of_copy], num_tokens_per_expert, order
 
+    def wait(self, routed: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+        return routed  # nothing in flight on one device
+
     def combine(self, y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """y (S, H) in expert order, weights (N, K) → (N, H) = Σ_k weight · expert output."""
         n, k = weights.shape
@@ -86,8 +90,14 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """x (S, H) sorted by expert → (S, H)."""
-        gate, up = grouped_mm(x, self.gate_up_proj, num_tokens_per_expert).chunk(2, dim=-1)
-        return grouped_mm(F.silu(gate) * up, self.down_proj, num_tokens_per_expert)
+        gate, up = grouped_mm(x, _local(self.gate_up_proj), num_tokens_per_expert).chunk(2, dim=-1)
+        return grouped_mm(F.silu(gate) * up, _local(self.down_proj), num_tokens_per_expert)
+
+
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    # parallel/ep.py stores the stacked weights as DTensors sharded over experts; the grouped GEMM
+    # runs on this rank's experts (the dispatcher brought their tokens here).
+    return weight.to_local() if hasattr(weight, "to_local") else weight
 
 
 def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -112,6 +122,8 @@ def _grouped_mm_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
         return False
     if x.dtype not in (torch.float32, torch.bfloat16) or x.shape[0] == 0:
         return False
+    if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:
+        return False  # torch 2.13's meta kernel, used while tracing, accepts only bf16
     align = 16 // x.element_size()
     return x.shape[-1] % align == 0 and weight.shape[-2] % align == 0
 
@@ -139,13 +151,17 @@ class MoE(nn.Module):
         x = x.reshape(-1, shape[-1])  # (N, H)
         weights, indices, scores = self.gate(x)
         routed, counts, state = self.dispatcher.dispatch(x, indices, self.cfg.n_routed_experts)
-        routed = self.experts(routed, counts)
+        # An all-to-all dispatcher returns with the exchange in flight: the shared experts run in
+        # that window, and (being recorded between dispatch and wait) again in backward's.
+        shared = self.shared_experts(x) if self.shared_experts is not None else None
+        routed = self.experts(self.dispatcher.wait(routed, state), counts)
         out = self.dispatcher.combine(routed, state, weights)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+        if shared is not None:
+            out = out + shared
         if torch._C._current_graph_task_id() == -1:  # not an activation-recompute replay in backward
-            with torch.no_grad():
-                self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
+            with torch.no_grad():  # this rank's routing decisions, whichever rank runs the experts
+                num_tokens_per_expert = torch.bincount(indices.reshape(-1), minlength=self.cfg.n_routed_experts)
+                self.tokens_per_expert += num_tokens_per_expert.to(self.tokens_per_expert.dtype)
         if self.training and self.aux_loss_coeff > 0:
             self.aux_loss = self.aux_loss_coeff * sequence_balance_loss(scores, indices, shape[0], self.cfg)
         return out.view(shape)

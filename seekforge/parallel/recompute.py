@@ -17,8 +17,9 @@ MODES = ("none", "full", "selective")
 
 def apply_recompute(model: nn.Module, mode: str | list[str]) -> nn.Module:
     """mode: one of MODES for every block, or one mode per block (main layers, then MTP blocks)."""
-    owners = [(model.layers, i) for i in range(len(model.layers))]
-    blocks = list(model.layers) + [m.block for m in getattr(model, "mtp", [])]
+    layers = model.layers  # a ModuleList, or a ModuleDict keyed by layer id in a pipeline stage
+    keys = list(layers.keys()) if isinstance(layers, nn.ModuleDict) else list(range(len(layers)))
+    blocks = [layers[k] for k in keys] + [m.block for m in getattr(model, "mtp", [])]
     modes = [mode] * len(blocks) if isinstance(mode, str) else list(mode)
     if len(modes) != len(blocks):
         raise ValueError(f"recompute got {len(modes)} modes for {len(blocks)} blocks; give one per block")
@@ -27,10 +28,10 @@ def apply_recompute(model: nn.Module, mode: str | list[str]) -> nn.Module:
             raise ValueError(f"recompute mode {m!r} is not one of {MODES}")
     for i, (block, m) in enumerate(zip(blocks, modes, strict=True)):
         if m == "full":
-            if i < len(owners):
-                model.layers[i] = checkpoint_wrapper(block)
+            if i < len(keys):
+                layers[keys[i]] = checkpoint_wrapper(block)
             else:
-                model.mtp[i - len(owners)].block = checkpoint_wrapper(block)
+                model.mtp[i - len(keys)].block = checkpoint_wrapper(block)
         elif m == "selective":
             block.self_attn = checkpoint_wrapper(block.self_attn)
             if hasattr(block.mlp, "experts"):

@@ -1,0 +1,71 @@
+"""The device meshes for a ParallelConfig.
+
+One 1-D world mesh, unflattened into three views that share it as their root (so FSDP accepts
+DTensors from any of them), each with its dimensions outermost first:
+
+    dense   pp × dp_replicate × dp_shard × tp                 non-expert weights: FSDP/HSDP, TP, PP
+    experts pp × dp_replicate × dp_shard_mod_ep × ep × tp     expert weights (built when ep > 1)
+    batch   pp × dp × tp                                      data slicing and loss averaging
+
+Expert parallelism borrows its ranks from dp_shard (dp_shard = dp_shard_mod_ep · ep): experts are
+split over ranks that see different data, and each expert's weights are FSDP-sharded over the
+dp_shard_mod_ep ranks holding the same experts (with dp_replicate: HSDP).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from seekforge.config import ModelConfig, ParallelConfig
+
+
+class ParallelMesh:
+    """The three views, looked up by dimension name: mesh["tp"], mesh["dp"], mesh["ep"],
+    mesh["dp_replicate", "dp_shard"]. `dense.mesh` is the rank grid (pp, dp_replicate, dp_shard, tp)."""
+
+    def __init__(self, dense: DeviceMesh, experts: DeviceMesh | None, batch: DeviceMesh):
+        self.dense, self.experts, self.batch = dense, experts, batch
+
+    def __getitem__(self, names: str | tuple[str, ...]) -> DeviceMesh:
+        wanted = (names,) if isinstance(names, str) else tuple(names)
+        for view in (self.dense, self.experts, self.batch):
+            if view is not None and set(wanted) <= set(view.mesh_dim_names):
+                return view[names]
+        raise KeyError(f"no mesh dimension(s) {wanted}")
+
+
+def build_mesh(pc: ParallelConfig, model_cfg: ModelConfig, device_type: str | None = None) -> ParallelMesh:
+    """Validate the layout against the world size and the model, then build the meshes.
+
+    Call after `dist.init_process_group`. The checks (`ParallelConfig.validate`, which a launcher can
+    also call before it spawns ranks) run first, so a bad layout fails on every rank with the same
+    ValueError before any group or tensor is allocated.
+    """
+    if not dist.is_initialized():
+        raise ValueError("build_mesh needs torch.distributed initialized: run under torchrun and call "
+                         "init_distributed(), or dist.init_process_group yourself")
+    world_size = dist.get_world_size()
+    pc.validate(world_size, model_cfg)
+    if device_type is None:
+        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    world = init_device_mesh(device_type, (world_size,), mesh_dim_names=("world",))
+    dense = world._unflatten(0, (pc.pp, pc.dp_replicate, pc.dp_shard, pc.tp), ("pp", "dp_replicate", "dp_shard", "tp"))
+    experts = None
+    if pc.ep > 1:
+        experts = world._unflatten(0, (pc.pp, pc.dp_replicate, pc.dp_shard // pc.ep, pc.ep, pc.tp),
+                                   ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "tp"))
+    batch = world._unflatten(0, (pc.pp, pc.dp_replicate * pc.dp_shard, pc.tp), ("pp", "dp", "tp"))
+    return ParallelMesh(dense, experts, batch)
+
+
+def init_distributed(backend: str | None = None) -> None:
+    """Join the job started by torchrun (env:// rendezvous): nccl with one GPU per rank, else gloo."""
+    if dist.is_initialized():
+        return
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend)
+    if backend == "nccl":
+        torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())

@@ -1,0 +1,47 @@
+"""`parallelize`: the one place a built model becomes a parallel one, in torchtitan's order.
+
+TP first (it swaps weights for DTensors and must see plain modules), EP next (experts become
+DTensors on the ep mesh), then activation recompute (wraps blocks, so it must not hide modules from
+TP/EP), then torch.compile per block, and FSDP last (it shards whatever the earlier steps left,
+including DTensors, over the data-parallel ranks). Pipeline splitting (parallel/pp.py) happens before
+all of this, on the built model; `parallelize` is then applied to each stage.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from seekforge.config import ParallelConfig
+from seekforge.parallel.ep import apply_ep
+from seekforge.parallel.fsdp import apply_fsdp, mixed_precision_policy
+from seekforge.parallel.recompute import apply_recompute
+from seekforge.parallel.tp import apply_tp
+
+
+def parallelize(model: nn.Module, pc: ParallelConfig, mesh: DeviceMesh) -> nn.Module:
+    """Apply pc's TP → EP → recompute → compile → FSDP to `model` in place; returns it."""
+    if pc.tp > 1:
+        apply_tp(model, mesh["tp"], pc.sequence_parallel)
+    if pc.ep > 1:
+        apply_ep(model, mesh["ep"])
+    if pc.recompute != "none":
+        apply_recompute(model, pc.recompute)
+    if pc.compile:
+        for block in _blocks(model):
+            block.compile()  # per block: small graphs, and FSDP's hooks stay outside them
+    if pc.dp_replicate * pc.dp_shard > 1 or pc.mixed_precision != "fp32":
+        hsdp = pc.dp_replicate > 1
+        dp_mesh = mesh["dp_replicate", "dp_shard"] if hsdp else mesh["dp_shard"]
+        expert_mesh = None
+        if pc.ep > 1:
+            expert_mesh = mesh["dp_replicate", "dp_shard_mod_ep"] if hsdp else mesh["dp_shard_mod_ep"]
+        apply_fsdp(model, dp_mesh, mixed_precision_policy(pc.mixed_precision), expert_mesh,
+                   expert_grad_divide_factor=pc.dp_replicate * pc.dp_shard)
+    return model
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    layers = getattr(model, "layers", [])
+    blocks = list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
+    return blocks + [m.block for m in getattr(model, "mtp", [])]

@@ -1,0 +1,177 @@
+"""Pipeline parallelism with torch.distributed.pipelining: split a built Transformer into stages and
+run them under a named schedule.
+
+Stages: the layers are cut at `pp_split_points` (default: an even split). The first stage also holds
+the embedding; the last holds the final norm, the head, the MTP modules and computes the loss.
+Parameter names inside a stage are the full model's (`layers.5.mlp...`), so checkpoints move between
+pipelined and unpipelined layouts unchanged.
+
+Stage placement: single-stage schedules (1F1B, GPipe) put stage r on pp rank r. Interleaved/looped
+schedules put stages r, r+pp on rank r; V-shaped schedules (ZBVZeroBubble, DualPipeV) put stages r and
+2·pp−1−r on rank r, so the first and the last stage share rank 0.
+
+MTP needs the token embedding on the last stage (DeepSeek-V3 §2.2 shares it with the main model). The
+last stage keeps its own copy of `embed_tokens`; after every step the two copies' gradients are summed
+(`sync_tied_embedding_grads`), so both copies take identical optimizer steps and stay equal.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+from torch.distributed.tensor import DTensor
+
+from seekforge.config import ParallelConfig
+from seekforge.model.mtp import mtp_losses
+from seekforge.parallel.mesh import ParallelMesh
+from seekforge.parallel.parallelize import parallelize
+from seekforge.parallel.tp import loss_context
+from seekforge.train.loss import IGNORE_INDEX
+
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+
+
+class StageModule(nn.Module):
+    """Layers [first_layer, end_layer) of a Transformer, plus the embedding and/or the head parts."""
+
+    def __init__(self, model: nn.Module, first_layer: int, end_layer: int, is_first: bool, is_last: bool,
+                 mtp_loss_scale: float = 0.3):
+        super().__init__()
+        self.cfg, self.is_first, self.is_last = model.cfg, is_first, is_last
+        self.mtp_loss_scale = mtp_loss_scale
+        self.rotary = model.rotary  # buffers only
+        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in range(first_layer, end_layer)})
+        if is_first:
+            self.embed_tokens = model.embed_tokens
+        if is_last:
+            self.norm, self.lm_head, self.mtp = model.norm, model.lm_head, model.mtp
+            if len(self.mtp) and not is_first:
+                self.embed_tokens = copy.deepcopy(model.embed_tokens)  # MTP's copy; see module docstring
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """First stage: input ids (B, T); later stages: hidden (B, T, H). Returns hidden (B, T, H)."""
+        if self.is_first:
+            x = self.embed_tokens(x)
+        cos, sin = self.rotary(torch.arange(x.shape[1], device=x.device))
+        for layer in self.layers.values():
+            x = layer(x, cos, sin)
+        return x
+
+    def loss(self, h: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The last stage's objective on the final hidden h (B, T, H); mirrors train/loss.lm_loss."""
+        logits = self.lm_head(self.norm(h))
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX)
+        if len(self.mtp) and self.mtp_loss_scale > 0:
+            cos, sin = self.rotary(torch.arange(h.shape[1], device=h.device))
+            mtp = torch.stack(mtp_losses(self, h, input_ids, labels, cos, sin, None, IGNORE_INDEX)).mean()
+            loss = loss + self.mtp_loss_scale * mtp
+        return loss
+
+
+def stage_layer_ranges(num_layers: int, num_stages: int, split_points: list[int] | None) -> list[tuple[int, int]]:
+    """[(first_layer, end_layer)] per stage; split_points are the first layers of stages 1..n-1."""
+    if split_points is None:
+        split_points = [round(i * num_layers / num_stages) for i in range(1, num_stages)]
+    bounds = [0, *split_points, num_layers]
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+def stage_ids_of_rank(pp_rank: int, pc: ParallelConfig) -> list[int]:
+    if pc.stages_per_rank == 1:
+        return [pp_rank]
+    if pc.pp_schedule in V_SCHEDULES:
+        return [pp_rank, pc.num_stages - 1 - pp_rank]
+    return [pp_rank + k * pc.pp for k in range(pc.stages_per_rank)]
+
+
+class PipelineRunner:
+    """This rank's stages and the schedule that drives them. `step` runs one training step's forward
+    and backward over all micro-batches; the optimizer step stays with the caller."""
+
+    def __init__(self, model: nn.Module, pc: ParallelConfig, mesh: ParallelMesh):
+        self.pc, self.mesh = pc, mesh
+        pp_rank = mesh["pp"].get_local_rank()
+        ranges = stage_layer_ranges(model.cfg.num_hidden_layers, pc.num_stages, pc.pp_split_points)
+        self.stage_ids = stage_ids_of_rank(pp_rank, pc)
+        # Cut every stage before parallelizing any: the last stage copies the still-plain embedding.
+        self.modules = [StageModule(model, *ranges[i], i == 0, i == pc.num_stages - 1) for i in self.stage_ids]
+        for module, stage_id in zip(self.modules, self.stage_ids, strict=True):
+            stage_pc = dataclasses.replace(pc, recompute=_stage_recompute(pc.recompute, *ranges[stage_id], module))
+            parallelize(module, stage_pc, mesh)
+        self.last = next((m for m in self.modules if m.is_last), None)
+        self.tied_group = _tied_embedding_group(mesh, pc) if len(model.mtp) else None
+
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        stages = [PipelineStage(m, i, pc.num_stages, device, group=mesh["pp"].get_group())
+                  for m, i in zip(self.modules, self.stage_ids, strict=True)]
+        schedule_class = get_schedule_class(pc.pp_schedule)
+        single = issubclass(schedule_class, PipelineScheduleSingle)
+        self.schedule = schedule_class(stages[0] if single else stages, pc.microbatches, loss_fn=self._loss)
+
+    def _loss(self, h: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        # target (B, 2, T) carries the input ids along with the labels: MTP needs both on the last stage.
+        return self.last.loss(h, target[:, 0], target[:, 1])
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for module in self.modules for p in module.parameters()]  # stages share no parameter
+
+    def step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
+        """input_ids, labels (B, T), B divisible by microbatches. Returns the mean micro-batch loss on
+        the rank holding the last stage, None elsewhere."""
+        if input_ids.shape[0] % self.pc.microbatches:
+            raise ValueError(f"batch size {input_ids.shape[0]} is not divisible by microbatches="
+                             f"{self.pc.microbatches}; change either")
+        losses = []
+        with loss_context(self.mesh["tp"]):
+            self.schedule.step(input_ids, target=torch.stack([input_ids, labels], dim=1), losses=losses)
+        self.sync_tied_embedding_grads()
+        return torch.stack([_plain(x).detach() for x in losses]).mean() if losses else None
+
+    def sync_tied_embedding_grads(self) -> None:
+        """Sum the gradients of the first stage's embedding and the last stage's MTP copy."""
+        grads = [m.embed_tokens.weight.grad for m in self.modules if hasattr(m, "embed_tokens")]
+        grads = [_local(g) for g in grads if g is not None]
+        if len(grads) == 2:  # both copies on this rank (V schedules)
+            total = grads[0] + grads[1]
+            for g in grads:
+                g.copy_(total)
+        elif len(grads) == 1 and self.tied_group is not None:
+            dist.all_reduce(grads[0], group=self.tied_group)
+
+
+def _tied_embedding_group(mesh: ParallelMesh, pc: ParallelConfig):
+    """The process group joining, for this rank's non-pp coordinates, the pp ranks of the first and
+    the last stage; None when they are the same rank. Every rank creates every pair (new_group's rule)."""
+    if pc.pp_schedule in V_SCHEDULES or pc.pp == 1:
+        return None
+    columns = mesh.dense.mesh.reshape(pc.pp, -1)  # (pp, other coordinates) of global ranks
+    mine = None
+    for j in range(columns.shape[1]):
+        pair = [int(columns[0, j]), int(columns[-1, j])]
+        group = dist.new_group(pair)
+        if dist.get_rank() in pair:
+            mine = group
+    return mine
+
+
+def _stage_recompute(mode: str | list[str], first: int, end: int, module: StageModule):
+    """A per-block mode list (main layers, then MTP blocks) cut down to this stage's blocks."""
+    if isinstance(mode, str):
+        return mode
+    num_layers = module.cfg.num_hidden_layers
+    return list(mode[first:end]) + (list(mode[num_layers:]) if module.is_last else [])
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t

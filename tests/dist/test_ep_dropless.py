@@ -1,0 +1,95 @@
+"""Expert parallelism is dropless under a skewed router, equals the single-device MoE (output and
+gradients), and runs the shared experts while an all-to-all is in flight, forward and backward."""
+
+import torch
+import torch.distributed as dist
+from dist_harness import model_config
+from dist_launcher import launch
+from torch.distributed.device_mesh import init_device_mesh
+
+from seekforge.model.moe import MoE
+from seekforge.parallel import ep as ep_module
+from seekforge.parallel.ep import apply_ep
+
+TOKENS_PER_RANK, WORLD = 24, 2
+TOL = 1e-6  # fp32; only the order of a few sums differs
+
+
+def skewed_moe(cfg):
+    """A MoE whose router sends most token copies to experts 0..E/2-1 (rank 0's under ep=2)."""
+    torch.manual_seed(0)
+    moe = MoE(cfg)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    with torch.no_grad():
+        bias = torch.zeros(cfg.n_routed_experts)
+        bias[: cfg.n_routed_experts // 2] = 0.25  # selection only: weights still come from raw scores
+        moe.gate.e_score_correction_bias.copy_(bias)
+    return moe
+
+
+def inputs(cfg):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(WORLD * TOKENS_PER_RANK, cfg.hidden_size, generator=g)
+    probe = torch.randn(WORLD * TOKENS_PER_RANK, cfg.hidden_size, generator=g)  # loss = Σ out · probe
+    return x, probe
+
+
+def run_rank():
+    cfg = model_config()
+    rank = dist.get_rank()
+    moe = skewed_moe(cfg)
+    apply_ep(moe, init_device_mesh("cpu", (WORLD,), mesh_dim_names=("ep",))["ep"])
+    events = []
+    start, wait = ep_module._InFlight.start, ep_module._InFlight.wait
+    ep_module._InFlight.start = lambda self, *a: (events.append("start"), start(self, *a))[1]
+    ep_module._InFlight.wait = lambda self: (events.append("wait"), wait(self))[1]
+    moe.shared_experts.register_forward_hook(lambda *_: events.append("shared"))
+    moe.shared_experts.register_full_backward_hook(lambda *_: events.append("shared"))
+
+    x_all, probe_all = inputs(cfg)
+    rows = slice(rank * TOKENS_PER_RANK, (rank + 1) * TOKENS_PER_RANK)
+    x = x_all[rows].clone().requires_grad_()
+    out = moe(x)
+    forward_events = list(events)
+    (out * probe_all[rows]).sum().backward()
+    gate_grad = moe.gate.weight.grad.clone()
+    dist.all_reduce(gate_grad)  # the reference sees both ranks' tokens
+    received = moe.experts.gate_up_proj.grad.to_local().shape  # this rank's experts' grads exist
+    return dict(out=out.detach(), x_grad=x.grad, gate_grad=gate_grad,
+                gate_up_grad=moe.experts.gate_up_proj.grad.full_tensor(),
+                down_grad=moe.experts.down_proj.grad.full_tensor(),
+                tokens_per_expert=moe.tokens_per_expert.clone(), local_shape=received,
+                forward_events=forward_events, backward_events=events[len(forward_events):])
+
+
+def test_ep_dropless_skewed_router_matches_single_device():
+    cfg = model_config()
+    results = launch(run_rank, WORLD)
+
+    moe = skewed_moe(cfg)
+    x, probe = inputs(cfg)
+    x.requires_grad_()
+    out = moe(x)
+    (out * probe).sum().backward()
+
+    counts = sum(r["tokens_per_expert"] for r in results)
+    half = cfg.n_routed_experts // 2
+    assert counts.sum() == WORLD * TOKENS_PER_RANK * cfg.num_experts_per_tok  # every copy routed
+    assert counts[:half].sum() >= 0.75 * counts.sum(), f"router not skewed enough: {counts.tolist()}"
+    torch.testing.assert_close(counts, moe.tokens_per_expert)
+
+    close = dict(rtol=0, atol=TOL)
+    torch.testing.assert_close(torch.cat([r["out"] for r in results]), out.detach(), **close)
+    torch.testing.assert_close(torch.cat([r["x_grad"] for r in results]), x.grad, **close)
+    torch.testing.assert_close(results[0]["gate_grad"], moe.gate.weight.grad, **close)
+    torch.testing.assert_close(results[0]["gate_up_grad"], moe.experts.gate_up_proj.grad, **close)
+    torch.testing.assert_close(results[0]["down_grad"], moe.experts.down_proj.grad, **close)
+    assert results[0]["local_shape"][0] == cfg.n_routed_experts // WORLD
+
+    for r in results:
+        # forward: dispatch starts, shared experts run, dispatch waits; then the combine exchange.
+        assert r["forward_events"] == ["start", "shared", "wait", "start", "wait"], r["forward_events"]
+        # backward: combine's gradient exchange; then dispatch's starts, shared experts' backward runs
+        # while it is in flight, and it finishes.
+        assert r["backward_events"] == ["start", "wait", "start", "shared", "wait"], r["backward_events"]
