@@ -113,8 +113,11 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> t
 
 
 def grouped_mm_reference(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    chunks = x.split(counts.tolist())
-    return torch.cat([c @ w.t() for c, w in zip(chunks, weight, strict=True)]) if chunks else x @ weight[0].t()
+    counts = counts.tolist()
+    # Iterating `weight` unbinds it once (one stacked gradient in backward); experts that received
+    # no tokens are skipped — at decode batch sizes most of them.
+    outs = [c @ w.t() for c, w, n in zip(x.split(counts), weight, counts, strict=True) if n]
+    return torch.cat(outs) if outs else x.new_zeros(0, weight.shape[-2])
 
 
 def _grouped_mm_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -158,7 +161,9 @@ class MoE(nn.Module):
         out = self.dispatcher.combine(routed, state, weights)
         if shared is not None:
             out = out + shared
-        if torch._C._current_graph_task_id() == -1:  # not an activation-recompute replay in backward
+        # Counted in training only (serving has no use for them), and not during activation-recompute
+        # replays in backward, which would count every token twice.
+        if self.training and torch._C._current_graph_task_id() == -1:
             with torch.no_grad():  # this rank's routing decisions, whichever rank runs the experts
                 num_tokens_per_expert = torch.bincount(indices.reshape(-1), minlength=self.cfg.n_routed_experts)
                 self.tokens_per_expert += num_tokens_per_expert.to(self.tokens_per_expert.dtype)
