@@ -3,6 +3,7 @@
 Layout under `<out_dir>/checkpoints/`:
     step_000100/        DCP files: model, optimizer, scheduler, step (sharded-tensor aware, so the
                         same code saves an FSDP/TP model, each rank writing its own shards)
+    step_000100/config.json  the ModelConfig (HF keys), so a checkpoint rebuilds its own model
     step_000100/rank0.pt  rank-local state: RNG states (torch CPU/CUDA, python, numpy) and the
                         data-loader position — they differ per data-parallel rank
     latest              text file naming the newest complete checkpoint, written last
@@ -14,6 +15,7 @@ checkpoint (a stale `.tmp` directory is ignored and cleaned up by the next save)
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -25,7 +27,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 # DCP warns on every call that it runs without a process group; on one device that is the intent.
@@ -56,9 +63,10 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(ckpt_root: str | Path, step: int, model, optimizer, scheduler=None, loader=None,
+def save_checkpoint(ckpt_root: str | Path, step: int, model, optimizer=None, scheduler=None, loader=None,
                     keep: int = 2) -> Path:
-    """Write checkpoint `step` atomically, point `latest` at it, keep the newest `keep`."""
+    """Write checkpoint `step` atomically, point `latest` at it, keep the newest `keep`.
+    optimizer=None writes a weights-only checkpoint (what `seekforge convert` makes from HF)."""
     ckpt_root = Path(ckpt_root)
     final = ckpt_root / f"step_{step:06d}"
     tmp = ckpt_root / f"step_{step:06d}.tmp"
@@ -66,19 +74,22 @@ def save_checkpoint(ckpt_root: str | Path, step: int, model, optimizer, schedule
         ckpt_root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
     _barrier()
-    model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optim": optim_state, "trainer": {
+    state = {"model": get_model_state_dict(model), "trainer": {
         "step": step, "scheduler": scheduler.state_dict() if scheduler is not None else None}}
+    if optimizer is not None:
+        state["optim"] = get_optimizer_state_dict(model, optimizer)
     dcp.save(state, checkpoint_id=str(tmp))
     local = {"rng": rng_state(), "loader": loader.state_dict() if loader is not None else None}
     torch.save(local, tmp / f"rank{_rank()}.pt")
+    if _rank() == 0 and hasattr(model, "cfg"):  # self-describing: convert and resume rebuild from it
+        (tmp / "config.json").write_text(json.dumps(model.cfg.to_hf(), indent=2))
     _barrier()
     if _rank() == 0:
         if final.exists():  # re-saving the same step (e.g. the final save after a periodic one)
             shutil.rmtree(final)
         os.replace(tmp, final)
         _write_latest(ckpt_root, final.name)
-        _prune(ckpt_root, keep)
+        _prune(ckpt_root, step, keep)
     _barrier()
     return final
 
@@ -89,9 +100,13 @@ def _write_latest(ckpt_root: Path, name: str) -> None:
     os.replace(pointer_tmp, ckpt_root / "latest")
 
 
-def _prune(ckpt_root: Path, keep: int) -> None:
+def _prune(ckpt_root: Path, latest_step: int, keep: int) -> None:
+    """Keep the `keep` newest checkpoints up to `latest_step`; later steps can only be leftovers of
+    an older run in the same directory, and go too."""
     steps = sorted((int(m.group(1)), p) for p in ckpt_root.iterdir() if (m := _STEP_DIR.match(p.name)))
-    for _, path in steps[:-keep]:
+    older = [path for step, path in steps if step < latest_step]
+    stale = [path for step, path in steps if step > latest_step]
+    for path in older[:max(0, len(older) - (keep - 1))] + stale:
         shutil.rmtree(path, ignore_errors=True)
     for stale in ckpt_root.glob("step_*.tmp"):  # left behind by a crashed save
         shutil.rmtree(stale, ignore_errors=True)
@@ -111,20 +126,22 @@ def latest_checkpoint(ckpt_root: str | Path) -> Path | None:
 
 def load_checkpoint(path: str | Path, model, optimizer=None, scheduler=None, loader=None,
                     restore_rng: bool = True) -> int:
-    """Load in place; returns the step stored (the number of optimizer steps taken)."""
+    """Load in place; returns the step stored (the number of optimizer steps taken).
+    A weights-only checkpoint (from `seekforge convert`) leaves the optimizer, scheduler, data
+    position and RNG untouched: training continues from those weights as a fresh run."""
     path = Path(path)
     if not (path / ".metadata").exists():
         raise ValueError(f"{path} is not a DCP checkpoint (no .metadata); pass a step_* directory")
-    if optimizer is not None:
-        model_state, optim_state = get_state_dict(model, optimizer)
-    else:
-        model_state, optim_state = get_state_dict(model, []), None
-    state = {"model": model_state, "trainer": {"step": 0, "scheduler": None}}
-    if optim_state is not None:
-        state["optim"] = optim_state
+    has_optim = has_optimizer_state(path)
+    state = {"model": get_model_state_dict(model), "trainer": {"step": 0, "scheduler": None}}
+    if optimizer is not None and has_optim:
+        state["optim"] = get_optimizer_state_dict(model, optimizer)
     dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=state["model"],
-                   optim_state_dict=state.get("optim", {}))
+    set_model_state_dict(model, state["model"])
+    if "optim" in state:
+        set_optimizer_state_dict(model, optimizer, state["optim"])
+    if not has_optim:
+        return int(state["trainer"]["step"])
     trainer = state["trainer"]
     if scheduler is not None and trainer["scheduler"] is not None:
         scheduler.load_state_dict(trainer["scheduler"])
@@ -136,3 +153,8 @@ def load_checkpoint(path: str | Path, model, optimizer=None, scheduler=None, loa
         if loader is not None and local["loader"] is not None:
             loader.load_state_dict(local["loader"])
     return int(trainer["step"])
+
+
+def has_optimizer_state(path: str | Path) -> bool:
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    return any(key.startswith("optim.") for key in metadata.state_dict_metadata)

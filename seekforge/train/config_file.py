@@ -97,6 +97,11 @@ def _coerce(key: str, value: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, int):
             raise wrong("an integer")
     elif isinstance(default, float):
+        if isinstance(value, str):  # YAML 1.1 reads `1e-3` (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                raise wrong("a number") from None
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise wrong("a number")
         value = float(value)
