@@ -21,6 +21,7 @@ import random
 import re
 import shutil
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -35,8 +36,14 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-# DCP warns on every call that it runs without a process group; on one device that is the intent.
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
+@contextmanager
+def _quiet_dcp():
+    """DCP warns on every call that it runs without a process group; on one device that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def _rank() -> int:
@@ -74,11 +81,13 @@ def save_checkpoint(ckpt_root: str | Path, step: int, model, optimizer=None, sch
         ckpt_root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
     _barrier()
-    state = {"model": get_model_state_dict(model), "trainer": {
-        "step": step, "scheduler": scheduler.state_dict() if scheduler is not None else None}}
+    state = {"model": get_model_state_dict(model), "trainer": {"step": step}}
+    if scheduler is not None:
+        state["trainer"]["scheduler"] = scheduler.state_dict()
     if optimizer is not None:
         state["optim"] = get_optimizer_state_dict(model, optimizer)
-    dcp.save(state, checkpoint_id=str(tmp))
+    with _quiet_dcp():
+        dcp.save(state, checkpoint_id=str(tmp))
     local = {"rng": rng_state(), "loader": loader.state_dict() if loader is not None else None}
     torch.save(local, tmp / f"rank{_rank()}.pt")
     if _rank() == 0 and hasattr(model, "cfg"):  # self-describing: convert and resume rebuild from it
@@ -133,17 +142,21 @@ def load_checkpoint(path: str | Path, model, optimizer=None, scheduler=None, loa
     if not (path / ".metadata").exists():
         raise ValueError(f"{path} is not a DCP checkpoint (no .metadata); pass a step_* directory")
     has_optim = has_optimizer_state(path)
-    state = {"model": get_model_state_dict(model), "trainer": {"step": 0, "scheduler": None}}
+    # DCP loads into a template of the same structure; ask only for what is there and wanted.
+    state = {"model": get_model_state_dict(model), "trainer": {"step": 0}}
     if optimizer is not None and has_optim:
         state["optim"] = get_optimizer_state_dict(model, optimizer)
-    dcp.load(state, checkpoint_id=str(path))
+    if scheduler is not None and has_optim:
+        state["trainer"]["scheduler"] = scheduler.state_dict()
+    with _quiet_dcp():
+        dcp.load(state, checkpoint_id=str(path))
     set_model_state_dict(model, state["model"])
     if "optim" in state:
         set_optimizer_state_dict(model, optimizer, state["optim"])
     if not has_optim:
         return int(state["trainer"]["step"])
     trainer = state["trainer"]
-    if scheduler is not None and trainer["scheduler"] is not None:
+    if "scheduler" in trainer:
         scheduler.load_state_dict(trainer["scheduler"])
     local_file = path / f"rank{_rank()}.pt"
     if (loader is not None or restore_rng) and local_file.exists():
