@@ -291,12 +291,14 @@ class TrainConfig:
     dtype: str = "bf16"  # "bf16": autocast with fp32 master weights | "fp32"
     mtp_loss_scale: float = 0.3
     aux_loss_coeff: float = 1e-4  # sequence-wise balance loss (DeepSeek-V3 uses a tiny α)
-    bias_update_speed: float = 1e-3  # aux-loss-free balancing γ
+    # Aux-loss-free balancing γ. DeepSeek-V3 used 1e-3 over ~10⁵ steps; a run of a few hundred steps
+    # needs a faster bias or the router collapses onto a few experts before the bias catches up.
+    bias_update_speed: float = 1e-2
     recompute: str = "none"  # "none" | "full" | "selective"
     compile: bool = False  # torch.compile each block
     seed: int = 0
     out_dir: str = "runs/default"
-    log_interval: int = 10
+    log_interval: int = 25
     eval_interval: int = 100  # steps between held-out loss evaluations; 0 disables
     eval_batches: int = 4
     save_interval: int = 100  # 0: save only at the end

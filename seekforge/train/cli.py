@@ -35,14 +35,21 @@ _FLAGS = [
     ("--out-dir", "out_dir", str, "run directory"),
 ]
 _DEFAULTS = TrainConfig()
+# `seekforge pretrain` without --config or --preset: the `small` preset shrunk to hidden 256 and 4
+# layers (still MLA, 16 experts top-4 in 4 groups, MTP), which learns visibly in a few minutes on 2
+# CPU cores where the full `small` (45M parameters) would only start to.
+DEFAULT_RUN_MODEL = dict(hidden_size=256, num_hidden_layers=4, intermediate_size=768, moe_intermediate_size=128,
+                         num_attention_heads=4, q_lora_rank=96, kv_lora_rank=64, qk_nope_head_dim=32,
+                         qk_rope_head_dim=16, v_head_dim=32)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = (
         "Pretrain a DeepSeek-V3-architecture model. Settings come from TrainConfig defaults, then "
         "--config (YAML or TOML, keys = TrainConfig fields, a `model:` table overrides ModelConfig "
-        "keys), then --preset and the flags below, then --set key=value (last wins). With no "
-        "arguments: a small model on the built-in text corpus, a few minutes on 2 CPU cores. "
+        "keys), then --preset and the flags below, then --set key=value (last wins). Without "
+        "--config or --preset: the `small` preset shrunk to hidden 256 / 4 layers (MLA, 16 experts "
+        "top-4, MTP) on the built-in text corpus, a few minutes on 2 CPU cores. "
         "An existing run in --out-dir is resumed from its latest checkpoint (--no-resume to restart)."
     )
     # Flags default to SUPPRESS so that only what the user typed overrides the config file.
@@ -68,7 +75,12 @@ def config_from_args(args) -> TrainConfig:
                if field in given}
     if "name" in given:
         updates["out_dir"] = str(Path("runs") / given["name"])
-    return load_train_config(given.get("config"), {**updates, **parse_overrides(given.get("overrides", []))})
+    if "config" not in given and "preset" not in given:
+        updates["model"] = dict(DEFAULT_RUN_MODEL)
+    overrides = parse_overrides(given.get("overrides", []))
+    if "model" in updates and "model" in overrides:
+        overrides["model"] = {**updates["model"], **overrides["model"]}
+    return load_train_config(given.get("config"), {**updates, **overrides})
 
 
 def resolve_model_config(cfg: TrainConfig, tokenizer_vocab: int) -> ModelConfig:
@@ -192,5 +204,7 @@ def print_sample(model, tokenizer, prompt: str) -> None:
 
     ids = tokenizer.encode(prompt)
     stop = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
-    new = generate(model, ids, max_new_tokens=120, temperature=0.0, stop_token_ids=stop)
-    print(f"sample (greedy): {prompt!r} → {tokenizer.decode(new)!r}")
+    # Greedy decoding of a minutes-old model loops on its most frequent words; a seeded,
+    # temperature-0.8 top-40 sample shows better what it learned, and is reproducible.
+    new = generate(model, ids, max_new_tokens=160, temperature=0.8, top_k=40, seed=0, stop_token_ids=stop)
+    print(f"sample (temperature 0.8, top-k 40): {prompt!r} → {tokenizer.decode(new)!r}")

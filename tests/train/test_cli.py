@@ -15,7 +15,7 @@ def test_pretrain_cli_writes_run_artifacts(tmp_path, data_module, hf_module, cap
     main(["pretrain", "--config", str(config), "--out-dir", str(out), "--set", "sample_prompt=ab",
           "--lr", "1e-3"])
     printed = capsys.readouterr().out
-    assert "unigram-entropy baseline" in printed and "sample (greedy)" in printed
+    assert "unigram-entropy baseline" in printed and "sample (temperature" in printed
 
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4]
