@@ -279,7 +279,7 @@ class TrainConfig:
     seq_len: int = 256
     micro_batch_size: int = 8
     grad_accum: int = 1
-    steps: int = 300
+    steps: int = 500
     lr: float = 3e-3
     min_lr: float = 3e-4
     warmup: int = 30

@@ -106,8 +106,12 @@ def build_data(cfg: TrainConfig, tokenizer):
     eval_loader = BatchLoader(eval_set, cfg.micro_batch_size, cfg.seed + 1)
     eval_iter = iter(eval_loader)
     eval_batches = [next(eval_iter) for _ in range(cfg.eval_batches)]
-    sample_ids = torch.cat([train_set[i]["labels"].reshape(-1) for i in range(min(len(train_set), 512))])
-    baseline = float(unigram_entropy(sample_ids[sample_ids >= 0]))
+    # The baseline from up to ~128k training targets, read through a separate loader so the
+    # training loader's position is untouched. unigram_entropy is in nats, like the loss.
+    probe = iter(BatchLoader(train_set, cfg.micro_batch_size, cfg.seed))
+    num_batches = max(1, min(len(train_set) // cfg.micro_batch_size, 131072 // (cfg.micro_batch_size * cfg.seq_len)))
+    targets = torch.cat([next(probe)["labels"].reshape(-1) for _ in range(num_batches)])
+    baseline = float(unigram_entropy(targets[targets >= 0]))
     return loader, eval_batches, baseline
 
 

@@ -52,7 +52,8 @@ def _distributed() -> bool:
 class Trainer:
     def __init__(self, cfg: TrainConfig, model, loader, eval_batches: list[dict] | None = None,
                  out_dir: str | Path | None = None, dp_group=None, baseline: float | None = None):
-        """loader: an iterator of batch dicts with state_dict()/load_state_dict() (data/BatchLoader);
+        """loader: an iterable of batch dicts with state_dict()/load_state_dict() (data/BatchLoader)
+        whose iter() continues from its current state (what exact resume relies on);
         eval_batches: fixed held-out batches, so evaluations are comparable across steps and resumes;
         baseline: the corpus unigram entropy, drawn on the loss plot."""
         self.cfg, self.model, self.loader = cfg, model, loader
