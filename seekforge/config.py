@@ -404,3 +404,90 @@ class ParallelConfig:
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+# ---------------------------------------------------------------------------------------- train
+@dataclass
+class TrainConfig:
+    """One pretraining run. YAML/TOML files map 1:1 onto these fields (train/config_file.py);
+    `model` overrides the preset's ModelConfig keys (e.g. {"num_hidden_layers": 4})."""
+
+    preset: str = "small"
+    model: dict[str, Any] = field(default_factory=dict)
+    data: str = "builtin:text"  # builtin:arithmetic | builtin:text | Megatron prefix | blend string
+    tokenizer: str = "byte"  # "byte" or a tokenizer.json directory
+    seq_len: int = 256
+    micro_batch_size: int = 8
+    grad_accum: int = 1
+    steps: int = 500
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup: int = 30
+    schedule: str = "cosine"  # "cosine" | "wsd" (warmup-stable-decay)
+    decay_fraction: float = 0.2  # WSD: share of the steps spent decaying to min_lr
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    clip: float = 1.0  # global grad-norm clip; 0 disables
+    dtype: str = "bf16"  # "bf16": autocast with fp32 master weights | "fp32"
+    mtp_loss_scale: float = 0.3
+    aux_loss_coeff: float = 1e-4  # sequence-wise balance loss (DeepSeek-V3 uses a tiny α)
+    # Aux-loss-free balancing γ. DeepSeek-V3 used 1e-3 over ~10⁵ steps; a run of a few hundred steps
+    # needs a faster bias or the router collapses onto a few experts before the bias catches up.
+    bias_update_speed: float = 1e-2
+    recompute: str = "none"  # "none" | "full" | "selective"
+    compile: bool = False  # torch.compile each block
+    seed: int = 0
+    out_dir: str = "runs/default"
+    log_interval: int = 25
+    eval_interval: int = 100  # steps between held-out loss evaluations; 0 disables
+    eval_batches: int = 4
+    save_interval: int = 100  # 0: save only at the end
+    keep_checkpoints: int = 2
+    resume: bool = True  # continue from out_dir/checkpoints/latest when it exists
+    peak_flops: float = 0.0  # FLOP/s for MFU; 0: measure with a matmul probe
+    export_hf: bool = True  # write out_dir/hf at the end
+    sample_prompt: str = "The "  # printed generation at the end; "" skips it
+
+    def __post_init__(self):
+        self.betas = tuple(self.betas)
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(key, msg):
+            raise ValueError(f"TrainConfig.{key}={getattr(self, key)!r}: {msg}")
+
+        if self.preset not in PRESETS:
+            bad("preset", f"choose one of {sorted(PRESETS)}")
+        for key in ("seq_len", "micro_batch_size", "grad_accum", "steps", "eval_batches", "keep_checkpoints"):
+            if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
+                bad(key, "must be a positive integer")
+        for key in ("warmup", "log_interval", "eval_interval", "save_interval"):
+            if not isinstance(getattr(self, key), int) or getattr(self, key) < 0:
+                bad(key, "must be an integer >= 0")
+        if not 0 < self.lr or not 0 <= self.min_lr <= self.lr:
+            bad("min_lr", f"need 0 <= min_lr <= lr={self.lr} and lr > 0")
+        if self.schedule not in ("cosine", "wsd"):
+            bad("schedule", "use 'cosine' or 'wsd'")
+        if not 0 < self.decay_fraction <= 1:
+            bad("decay_fraction", "must be in (0, 1]")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            bad("betas", "give two numbers in [0, 1), e.g. [0.9, 0.95]")
+        if self.dtype not in ("bf16", "fp32"):
+            bad("dtype", "use 'bf16' (autocast, fp32 master weights) or 'fp32'")
+        if self.recompute not in ("none", "full", "selective"):
+            bad("recompute", "use 'none', 'full' or 'selective'")
+        for key in ("weight_decay", "clip", "mtp_loss_scale", "aux_loss_coeff", "bias_update_speed", "peak_flops"):
+            if getattr(self, key) < 0:
+                bad(key, "must be >= 0")
+        self.model_config()  # bad model overrides fail now, not after data loading
+
+    def model_config(self, vocab_size: int | None = None) -> ModelConfig:
+        """The preset with `model` overrides; `vocab_size` (the tokenizer's) wins when given."""
+        names = {f.name for f in dataclasses.fields(ModelConfig)} - {"extra"}
+        unknown = sorted(set(self.model) - names)
+        if unknown:
+            raise ValueError(f"TrainConfig.model has unknown ModelConfig keys {unknown}; see seekforge/config.py")
+        overrides = dict(self.model)
+        if vocab_size is not None:
+            overrides["vocab_size"] = vocab_size
+        return preset(self.preset, **overrides)

@@ -157,11 +157,17 @@ class MLA(nn.Module):
         k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
         k = torch.cat([k_nope, k_pe[:, :, None, :].expand(-1, -1, self.num_heads, -1)], dim=-1)
         q = torch.cat([q_nope, q_pe], dim=-1)
+        dv = cfg.v_head_dim
+        if q.device.type == "cpu" and dv != q.shape[-1]:
+            # PyTorch's fused CPU flash kernel needs one head dim for q, k and v; without it SDPA
+            # falls back to the unfused math path (~2x slower fwd+bwd here). Zero-padding v to dqk
+            # adds zero output columns, sliced off below: the same attention.
+            v = F.pad(v, (0, q.shape[-1] - dv))
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),  # (B, nh, T|S, ·)
             attn_mask=mask, is_causal=is_causal and mask is None, scale=self.softmax_scale,
         )
-        return out.transpose(1, 2).reshape(b, q.shape[1], -1)
+        return out[..., :dv].transpose(1, 2).reshape(b, q.shape[1], -1)  # (B, T, nh·dv)
 
     def attend_absorbed(self, q_nope, q_pe, c_kv, k_pe, mask=None):
         """Same contract as attend_naive, never materializing per-head keys or values."""

@@ -1,0 +1,123 @@
+"""TrainConfig ⇄ YAML / TOML files, and `key=value` command-line overrides.
+
+A file is a flat mapping onto the TrainConfig fields (plus a `model:` table of ModelConfig
+overrides). Unknown keys and wrongly typed values raise ValueError naming the key, so a typo never
+silently trains the default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from seekforge.config import TrainConfig
+
+_FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+
+def load_train_config(path: str | Path | None = None, overrides: list[str] | dict | None = None) -> TrainConfig:
+    """Defaults ← file (YAML or TOML, by extension) ← overrides ("key=value" strings or a dict)."""
+    raw: dict[str, Any] = read_config_file(path) if path else {}
+    if isinstance(overrides, dict):
+        updates = dict(overrides)
+    else:
+        updates = parse_overrides(overrides or [])
+    model = {**raw.get("model", {}), **updates.pop("model", {})}
+    raw.update(updates)
+    if model:
+        raw["model"] = model
+    return train_config_from_dict(raw)
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"config file {path} does not exist")
+    text = path.read_text()
+    try:
+        if path.suffix == ".toml":
+            raw = tomllib.loads(text)
+        elif path.suffix in (".yaml", ".yml"):
+            raw = yaml.safe_load(text) or {}
+        else:
+            raise ValueError(f"config file {path}: use a .yaml, .yml or .toml extension")
+    except (tomllib.TOMLDecodeError, yaml.YAMLError) as e:
+        raise ValueError(f"config file {path} does not parse: {e}") from e
+    if not isinstance(raw, dict):
+        raise ValueError(f"config file {path} must hold a mapping of TrainConfig keys")
+    return raw
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """["lr=1e-3", "model.num_hidden_layers=2"] → {"lr": 0.001, "model": {"num_hidden_layers": 2}}.
+    Values are parsed as YAML scalars/lists, so `betas=[0.9,0.99]` and `compile=true` work."""
+    out: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise ValueError(f"override {item!r} is not key=value (e.g. --set lr=1e-3)")
+        key, text = item.split("=", 1)
+        value = yaml.safe_load(text) if text else ""
+        if key.startswith("model."):
+            out.setdefault("model", {})[key[len("model."):]] = value
+        else:
+            out[key] = value
+    return out
+
+
+def train_config_from_dict(raw: dict[str, Any]) -> TrainConfig:
+    unknown = sorted(set(raw) - set(_FIELDS))
+    if unknown:
+        raise ValueError(f"unknown TrainConfig key(s) {unknown}; valid keys: {sorted(_FIELDS)}")
+    values = {key: _coerce(key, value) for key, value in raw.items()}
+    return TrainConfig(**values)
+
+
+def train_config_to_dict(cfg: TrainConfig) -> dict[str, Any]:
+    """Plain types only (tuples as lists), so yaml.safe_dump / a TOML writer can store it."""
+    out = dataclasses.asdict(cfg)
+    out["betas"] = list(cfg.betas)
+    return out
+
+
+def _coerce(key: str, value: Any) -> Any:
+    """Check a value against the field's default type; ints are accepted where floats are."""
+    default = _default(key)
+
+    def wrong(expected: str):
+        return ValueError(f"TrainConfig.{key}={value!r}: expected {expected}")
+
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise wrong("true or false")
+    elif isinstance(default, int):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise wrong("an integer")
+    elif isinstance(default, float):
+        if isinstance(value, str):  # YAML 1.1 reads `1e-3` (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                raise wrong("a number") from None
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise wrong("a number")
+        value = float(value)
+    elif isinstance(default, str):
+        if not isinstance(value, str):
+            raise wrong("a string")
+    elif isinstance(default, tuple):
+        if not isinstance(value, list | tuple) or not all(isinstance(v, int | float) for v in value):
+            raise wrong("a list of numbers, e.g. [0.9, 0.95]")
+        value = tuple(float(v) for v in value)
+    elif isinstance(default, dict):
+        if not isinstance(value, dict):
+            raise wrong("a mapping of ModelConfig keys")
+    return value
+
+
+def _default(key: str) -> Any:
+    f = _FIELDS[key]
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default

@@ -1,0 +1,77 @@
+"""`seekforge convert`: training checkpoints ⇄ Hugging Face directories.
+
+    DCP → HF   a step_* directory (or a run directory / its checkpoints/, meaning `latest`) becomes
+               an HF `DeepseekV3ForCausalLM` directory (config.json + safetensors) via model/hf.py.
+    HF → DCP   an HF directory becomes a weights-only DCP checkpoint `OUT/checkpoints/step_000000`;
+               `seekforge pretrain --out-dir OUT` then continues training from those weights with a
+               fresh optimizer (the model config is taken from the checkpoint).
+The direction follows from the source: an HF directory has config.json and *.safetensors.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from seekforge.config import ModelConfig
+
+
+def resolve_checkpoint(source: str | Path) -> Path:
+    """A step_* dir, a checkpoints/ dir, or a run dir → the DCP checkpoint directory."""
+    from seekforge.train.checkpoint import latest_checkpoint
+
+    source = Path(source)
+    if (source / ".metadata").exists():
+        return source
+    for root in (source, source / "checkpoints"):
+        if (root / "latest").exists():
+            return latest_checkpoint(root)
+    raise ValueError(f"{source} holds no DCP checkpoint: pass a step_* directory, a checkpoints/ "
+                     "directory with a `latest` file, or a run directory")
+
+
+def dcp_to_hf(source: str | Path, hf_dir: str | Path, dtype: torch.dtype | None = torch.bfloat16) -> Path:
+    from seekforge.model.hf import save_hf
+    from seekforge.model.model import build_model
+    from seekforge.train.checkpoint import load_checkpoint
+
+    ckpt = resolve_checkpoint(source)
+    if not (ckpt / "config.json").exists():
+        raise ValueError(f"{ckpt} has no config.json (saved by an older seekforge?); cannot rebuild the model")
+    model = build_model(ModelConfig.from_hf(ckpt), "cpu", torch.float32)
+    load_checkpoint(ckpt, model, restore_rng=False)
+    save_hf(model, hf_dir, dtype=dtype)
+    return Path(hf_dir)
+
+
+def hf_to_dcp(hf_dir: str | Path, out_dir: str | Path) -> Path:
+    from seekforge.model.hf import load_hf
+    from seekforge.train.checkpoint import save_checkpoint
+
+    model = load_hf(hf_dir, device="cpu", dtype=torch.float32)  # training keeps fp32 master weights
+    return save_checkpoint(Path(out_dir) / "checkpoints", 0, model, optimizer=None, keep=1)
+
+
+def _is_hf_dir(path: Path) -> bool:
+    return (path / "config.json").exists() and any(path.glob("*.safetensors"))
+
+
+def add_arguments(p) -> None:
+    p.description = __doc__.split("\n\n")[0] + " The direction follows from SOURCE."
+    p.add_argument("source", help="a training checkpoint (step_* / checkpoints/ / run dir) or an HF directory")
+    p.add_argument("dest", help="HF output directory (from DCP), or a run directory (from HF)")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                   help="weight dtype of the HF export (DCP → HF only)")
+
+
+def run(args) -> None:
+    source = Path(args.source)
+    if not source.exists():
+        raise ValueError(f"{source} does not exist")
+    if _is_hf_dir(source):
+        path = hf_to_dcp(source, args.dest)
+        print(f"wrote {path}; continue training with: seekforge pretrain --out-dir {args.dest}")
+    else:
+        path = dcp_to_hf(source, args.dest, getattr(torch, args.dtype))
+        print(f"wrote HF checkpoint {path}")

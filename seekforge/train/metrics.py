@@ -1,0 +1,77 @@
+"""Where training metrics go: one JSON line per step (the exact record), TensorBoard scalars, and
+a loss-curve PNG at the end. Only rank 0 writes."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+
+class MetricsLogger:
+    def __init__(self, out_dir: str | Path, enabled: bool = True):
+        self.out_dir = Path(out_dir)
+        self.enabled = enabled
+        self.jsonl_path = self.out_dir / "metrics.jsonl"
+        self._file = self._tb = None
+        if enabled:
+            from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only when logging
+
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.jsonl_path, "a")  # append: a resumed run continues the same file
+            self._tb = SummaryWriter(log_dir=str(self.out_dir / "tensorboard"))
+
+    def log(self, step: int, metrics: dict) -> None:
+        """metrics: scalars, or lists of scalars (one per MoE layer) logged as `name/layer_i`."""
+        if not self.enabled:
+            return
+        self._file.write(json.dumps({"step": step, **metrics}) + "\n")
+        self._file.flush()
+        for name, value in metrics.items():
+            if isinstance(value, list):
+                for i, v in enumerate(value):
+                    self._tb.add_scalar(f"{name}/layer_{i}", v, step)
+            elif isinstance(value, int | float):
+                self._tb.add_scalar(name, value, step)
+
+    def close(self) -> None:
+        if self.enabled:
+            self._file.close()
+            self._tb.close()
+
+
+def read_metrics(jsonl_path: str | Path) -> list[dict]:
+    """The JSONL records; after a resume, a step logged twice keeps its last record."""
+    by_step: dict[int, dict] = {}
+    for line in Path(jsonl_path).read_text().splitlines():
+        if line.strip():
+            record = json.loads(line)
+            by_step[record["step"]] = record
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def plot_loss_curve(jsonl_path: str | Path, png_path: str | Path, baseline: float | None = None) -> Path:
+    """Training loss (and eval loss when logged) vs step; `baseline` draws the unigram entropy."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on training machines
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(jsonl_path)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    train = [(r["step"], r["lm_loss"]) for r in records if "lm_loss" in r]
+    if train:
+        ax.plot(*zip(*train, strict=True), label="train lm loss", linewidth=1)
+    evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
+    if evals:
+        ax.plot(*zip(*evals, strict=True), "o-", label="eval lm loss")
+    if baseline is not None and math.isfinite(baseline):
+        ax.axhline(baseline, color="gray", linestyle="--", label=f"unigram entropy {baseline:.2f}")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+    return Path(png_path)

@@ -1,0 +1,61 @@
+"""AdamW with Megatron's weight-decay split, and the learning-rate schedules as pure functions.
+
+Steps are 0-based optimizer steps: `lr_at(0)` is the rate of the first update, `lr_at(steps - 1)`
+of the last, which lands exactly on `min_lr` for both schedules.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from seekforge.config import TrainConfig
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Decay matrices (and stacked expert weights); never 1-D params — RMSNorm gains and biases —
+    whose decay only pulls the scale toward zero (Megatron's `no_weight_decay_cond`)."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig):
+    """AdamW (decoupled decay, Loshchilov & Hutter) + a LambdaLR driving `lr_at`; both checkpointable."""
+    # fused=True is one kernel per dtype on CPU and CUDA alike; torch 2.4+ has it on CPU.
+    optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas,
+                                  eps=1e-8, fused=True)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, cfg) / cfg.lr)
+    return optimizer, scheduler
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    return lr_schedule(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup=cfg.warmup, steps=cfg.steps,
+                       schedule=cfg.schedule, decay_fraction=cfg.decay_fraction)
+
+
+def lr_schedule(step: int, *, lr: float, min_lr: float, warmup: int, steps: int, schedule: str = "cosine",
+                decay_fraction: float = 0.2) -> float:
+    """Linear warmup over `warmup` steps (lr·(step+1)/warmup), then
+    cosine — min_lr + ½(lr − min_lr)(1 + cos(π·progress)) down to min_lr at the last step;
+    wsd   — warmup-stable-decay (MiniCPM, arXiv:2404.06395): hold lr, then decay linearly to min_lr
+            over the last ⌈decay_fraction·steps⌉ steps. A run can be extended from any stable-phase
+            checkpoint, which is the point of WSD."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    last = steps - 1
+    if schedule == "cosine":
+        progress = min(1.0, (step - warmup) / max(1, last - warmup))
+        return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * progress))
+    if schedule == "wsd":
+        decay_steps = max(1, math.ceil(decay_fraction * steps))
+        decay_start = max(warmup, last - decay_steps + 1)
+        if step < decay_start:
+            return lr
+        progress = min(1.0, (step - decay_start + 1) / max(1, last - decay_start + 1))
+        return lr + (min_lr - lr) * progress
+    raise ValueError(f"schedule={schedule!r}: use 'cosine' or 'wsd'")

@@ -1,0 +1,218 @@
+"""The pretraining loop on an already-built (and possibly already-parallelized) model.
+
+One optimizer step = `grad_accum` micro-batches of forward (bf16 autocast over fp32 master weights)
+and backward on loss = lm + λ·mtp + aux (train/loss.py), a global grad-norm clip, AdamW, the LR
+schedule, then the aux-loss-free expert-bias update from that step's global expert loads.
+
+Distributed seam: nothing here builds parallelism. When torch.distributed is initialized, expert
+loads are summed over `dp_group` before the bias update, logged losses are averaged over it, only
+rank 0 logs, and checkpoints are DCP (each rank writes its shards).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from seekforge.config import TrainConfig
+from seekforge.parallel.recompute import apply_recompute
+from seekforge.train.balance import update_expert_bias
+from seekforge.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from seekforge.train.flops import flops_per_token, measure_peak_flops
+from seekforge.train.loss import lm_loss
+from seekforge.train.metrics import MetricsLogger, plot_loss_curve
+from seekforge.train.optim import build_optimizer
+
+
+def prepare_model(model, cfg: TrainConfig):
+    """Single-device path: recompute, then compile each block — the order parallel/ applies them in
+    (a parallelized model arrives with both already done)."""
+    if cfg.recompute != "none":
+        apply_recompute(model, cfg.recompute)
+    if cfg.compile:
+        # Per block, not the whole model: one graph is traced once and reused for every layer of the
+        # same shape, and a graph break (MoE's data-dependent routing) stays inside one block.
+        for layer in model.layers:
+            layer.compile()
+        for module in model.mtp:
+            module.block.compile()
+    return model
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, model, loader, eval_batches: list[dict] | None = None,
+                 out_dir: str | Path | None = None, dp_group=None, baseline: float | None = None):
+        """loader: an iterable of batch dicts with state_dict()/load_state_dict() (data/BatchLoader)
+        whose iter() continues from its current state (what exact resume relies on);
+        eval_batches: fixed held-out batches, so evaluations are comparable across steps and resumes;
+        baseline: the corpus unigram entropy, drawn on the loss plot."""
+        self.cfg, self.model, self.loader = cfg, model, loader
+        self.eval_batches = eval_batches or []
+        self.out_dir = Path(out_dir or cfg.out_dir)
+        self.dp_group = dp_group
+        self.baseline = baseline
+        self.is_main = not _distributed() or dist.get_rank() == 0
+        self.device = next(model.parameters()).device
+        self.optimizer, self.scheduler = build_optimizer(model, cfg)
+        self.moe_layers = model.moe_layers()
+        for moe in self.moe_layers:
+            moe.aux_loss_coeff = cfg.aux_loss_coeff
+        self.ckpt_root = self.out_dir / "checkpoints"
+        self.step = 0  # optimizer steps taken
+        self.tokens_per_step = cfg.micro_batch_size * cfg.seq_len * cfg.grad_accum  # per rank
+        self.flops_per_token = flops_per_token(model.cfg, cfg.seq_len, with_mtp=cfg.mtp_loss_scale > 0)
+        probe_dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
+        self.peak_flops = cfg.peak_flops or measure_peak_flops(probe_dtype, self.device)
+        self._iterator = iter(loader)
+
+    # ------------------------------------------------------------------ state
+    def resume(self, path: str | Path | None = None) -> bool:
+        """Load `path` or the latest checkpoint under out_dir; False when there is none."""
+        path = path or latest_checkpoint(self.ckpt_root)
+        if path is None:
+            return False
+        self.step = load_checkpoint(path, self.model, self.optimizer, self.scheduler, self.loader)
+        self._iterator = iter(self.loader)
+        return True
+
+    def save(self) -> Path:
+        return save_checkpoint(self.ckpt_root, self.step, self.model, self.optimizer, self.scheduler,
+                               self.loader, keep=self.cfg.keep_checkpoints)
+
+    # ------------------------------------------------------------------ one step
+    def _autocast(self):
+        if self.cfg.dtype == "bf16":
+            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+        return nullcontext()
+
+    def _next_batch(self) -> dict:
+        try:
+            batch = next(self._iterator)
+        except StopIteration:  # a finite loader: start its next epoch
+            self._iterator = iter(self.loader)
+            batch = next(self._iterator)
+        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+
+    def train_step(self) -> dict:
+        """One optimizer step. Returns its metrics (losses averaged over micro-batches and ranks)."""
+        cfg = self.cfg
+        start = time.perf_counter()
+        self.model.train()
+        sums: dict[str, torch.Tensor] = {}
+        for _ in range(cfg.grad_accum):
+            batch = self._next_batch()
+            with self._autocast():
+                loss, parts = lm_loss(self.model, batch["input_ids"], batch["labels"], batch.get("positions"),
+                                      batch.get("segment_ids"), cfg.mtp_loss_scale)
+            (loss / cfg.grad_accum).backward()
+            for name, value in {"loss": loss.detach(), **parts}.items():
+                sums[name] = sums.get(name, 0) + value.float() / cfg.grad_accum
+        max_norm = cfg.clip if cfg.clip > 0 else math.inf  # inf: measure the norm, clip nothing
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        imbalance = update_expert_bias(self.moe_layers, cfg.bias_update_speed, self.dp_group)
+        self.step += 1
+
+        names = sorted(sums)
+        values = torch.stack([sums[n] for n in names] + [grad_norm.float().to(sums["loss"].device)])
+        if _distributed():
+            dist.all_reduce(values, op=dist.ReduceOp.AVG, group=self.dp_group)
+        values = values.tolist()  # one device→host sync per step
+        elapsed = time.perf_counter() - start
+        tokens_per_s = self.tokens_per_step / elapsed
+        metrics = dict(zip(names, values[:-1], strict=True))
+        metrics.update(grad_norm=values[-1], lr=lr, tokens_per_s=tokens_per_s, step_time_s=elapsed,
+                       mfu=tokens_per_s * self.flops_per_token / self.peak_flops)
+        if imbalance:
+            metrics["expert_imbalance"] = imbalance  # max/mean tokens per expert, per MoE layer
+            metrics["expert_imbalance_max"] = max(imbalance)
+        return metrics
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean lm loss over the fixed held-out batches. MoE token counts are restored afterwards:
+        evaluation traffic must not steer the balancing bias."""
+        if not self.eval_batches:
+            return float("nan")
+        saved_counts = [m.tokens_per_expert.clone() for m in self.moe_layers]
+        self.model.eval()
+        losses = []
+        for batch in self.eval_batches:
+            batch = {k: v.to(self.device) for k, v in batch.items()}
+            with self._autocast():
+                _, parts = lm_loss(self.model, batch["input_ids"], batch["labels"], batch.get("positions"),
+                                   batch.get("segment_ids"), mtp_loss_scale=0.0)
+            losses.append(parts["lm_loss"].float())
+        self.model.train()
+        for moe, counts in zip(self.moe_layers, saved_counts, strict=True):
+            moe.tokens_per_expert.copy_(counts)
+        loss = torch.stack(losses).mean()
+        if _distributed():
+            dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.dp_group)
+        return loss.item()
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self, stop_at: int | None = None) -> list[dict]:
+        """Train until cfg.steps (or `stop_at`, to split a run in tests and time-boxed jobs).
+        Returns the per-step metrics of this call."""
+        cfg = self.cfg
+        end = min(cfg.steps, stop_at) if stop_at is not None else cfg.steps
+        logger = MetricsLogger(self.out_dir, enabled=self.is_main)
+        history: list[dict] = []
+        bar = tqdm(total=cfg.steps, initial=self.step, disable=not self.is_main, unit="step",
+                   dynamic_ncols=True, mininterval=1.0)
+        window: list[dict] = []
+        while self.step < end:
+            metrics = self.train_step()
+            if cfg.eval_interval and self.step % cfg.eval_interval == 0 and self.step < cfg.steps:
+                metrics["eval_loss"] = self.evaluate()
+            if self.step == cfg.steps:
+                metrics["eval_loss"] = self.evaluate()
+            history.append(metrics)
+            window.append(metrics)
+            logger.log(self.step, metrics)
+            bar.update(1)
+            bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}",
+                            mfu=f"{100 * metrics['mfu']:.1f}%", refresh=False)
+            if self.is_main and cfg.log_interval and (self.step % cfg.log_interval == 0 or self.step == end):
+                bar.write(self._log_line(window, bar))
+                window = []
+            if cfg.save_interval and self.step % cfg.save_interval == 0 and self.step < end:
+                self.save()
+        bar.close()
+        if history:  # the final (or interrupted) state is always saved
+            self.save()
+        logger.close()
+        if self.is_main and logger.jsonl_path.exists():
+            plot_loss_curve(logger.jsonl_path, self.out_dir / "loss.png", self.baseline)
+        return history
+
+    def _log_line(self, window: list[dict], bar) -> str:
+        last = window[-1]
+        tokens_per_s = sum(m["tokens_per_s"] * m["step_time_s"] for m in window) / sum(m["step_time_s"] for m in window)
+        parts = [f"step {self.step:>5}/{self.cfg.steps}", f"loss {last['loss']:.4f}", f"lm {last['lm_loss']:.4f}"]
+        if "mtp_loss" in last:
+            parts.append(f"mtp {last['mtp_loss']:.4f}")
+        if "eval_loss" in last:
+            parts.append(f"eval {last['eval_loss']:.4f}")
+        parts += [f"lr {last['lr']:.2e}", f"gnorm {last['grad_norm']:.2f}", f"{tokens_per_s:,.0f} tok/s",
+                  f"MFU {100 * tokens_per_s * self.flops_per_token / self.peak_flops:.1f}%"]
+        if "expert_imbalance_max" in last:
+            parts.append(f"imbalance {last['expert_imbalance_max']:.2f}")
+        rate = bar.format_dict.get("rate")
+        if rate:
+            parts.append(f"eta {tqdm.format_interval((self.cfg.steps - self.step) / rate)}")
+        return " | ".join(parts)

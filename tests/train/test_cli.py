@@ -1,0 +1,56 @@
+import json
+
+import pytest
+import torch
+
+from seekforge.cli import main
+from seekforge.train.checkpoint import latest_checkpoint, load_checkpoint
+
+
+def test_pretrain_cli_writes_run_artifacts(tmp_path, data_module, hf_module, capsys):
+    out = tmp_path / "run"
+    config = tmp_path / "c.yaml"
+    config.write_text("preset: tiny\nseq_len: 32\nmicro_batch_size: 4\nsteps: 4\nwarmup: 1\n"
+                      "eval_interval: 2\neval_batches: 1\nsave_interval: 2\nlog_interval: 2\npeak_flops: 1.0e+11\n")
+    main(["pretrain", "--config", str(config), "--out-dir", str(out), "--set", "sample_prompt=ab",
+          "--lr", "1e-3"])
+    printed = capsys.readouterr().out
+    assert "unigram-entropy baseline" in printed and "sample (temperature" in printed
+
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    for key in ("loss", "lm_loss", "mtp_loss", "grad_norm", "lr", "tokens_per_s", "mfu", "expert_imbalance"):
+        assert key in records[-1], key
+    assert len(records[-1]["expert_imbalance"]) == 3  # tiny: 2 MoE layers + 1 MTP MoE block
+    assert "eval_loss" in records[1] and "eval_loss" in records[3]
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+    assert (out / "loss.png").stat().st_size > 1000
+    assert latest_checkpoint(out / "checkpoints").name == "step_000004"
+    assert (out / "hf" / "config.json").exists()
+    assert (out / "train_config.yaml").exists()
+
+    # Rerunning the same command resumes; the finished run has nothing left to do.
+    main(["pretrain", "--config", str(config), "--out-dir", str(out), "--set", "sample_prompt="])
+    assert "nothing to train" in capsys.readouterr().out
+
+
+def test_pretrain_cli_bad_input_is_a_clean_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["pretrain", "--preset", "tiny", "--set", "stpes=3", "--out-dir", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert "stpes" in capsys.readouterr().err
+
+
+def test_convert_round_trip(tmp_path, hf_module):
+    from seekforge.config import preset
+    from seekforge.model.model import build_model
+    from seekforge.train.checkpoint import save_checkpoint
+
+    model = build_model(preset("tiny"), seed=3)
+    save_checkpoint(tmp_path / "run" / "checkpoints", 7, model)
+    main(["convert", str(tmp_path / "run"), str(tmp_path / "hf"), "--dtype", "float32"])
+    main(["convert", str(tmp_path / "hf"), str(tmp_path / "back")])
+    restored = build_model(preset("tiny"), seed=0)
+    assert load_checkpoint(latest_checkpoint(tmp_path / "back" / "checkpoints"), restored) == 0
+    for (name, a), b in zip(model.state_dict().items(), restored.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
