@@ -94,7 +94,7 @@ def resolve_model_config(cfg: TrainConfig, tokenizer_vocab: int) -> ModelConfig:
 
 def build_data(cfg: TrainConfig, tokenizer):
     """Training loader, fixed eval batches and the unigram-entropy baseline (nats/token)."""
-    from seekforge.data import BatchLoader, build_dataset  # another subsystem; imported when used
+    from seekforge.data.dataset import BatchLoader, build_dataset
     from seekforge.data.corpora import unigram_entropy
 
     samples_per_step = cfg.micro_batch_size * cfg.grad_accum
@@ -168,23 +168,19 @@ def run(args) -> None:
 
     sample_model = None
     if cfg.export_hf:
-        hf_dir = export_hf(model, tokenizer, cfg, out_dir / "hf")
-        if hf_dir is not None:
-            from seekforge.generate import load_model
+        from seekforge.generate import load_model
 
-            sample_model, _ = load_model(str(hf_dir))  # sampling from the export also proves it loads
+        hf_dir = export_hf(model, tokenizer, cfg, out_dir / "hf")
+        sample_model, _ = load_model(str(hf_dir))  # sampling from the export also proves it loads
     if cfg.sample_prompt:
         if sample_model is None:
             sample_model = plain_copy(model, model_cfg)
         print_sample(sample_model, tokenizer, cfg.sample_prompt)
 
 
-def export_hf(model, tokenizer, cfg: TrainConfig, hf_dir: Path) -> Path | None:
-    try:
-        from seekforge.model.hf import save_hf
-    except ModuleNotFoundError:  # model/hf.py lands from another branch
-        print("HF export skipped: seekforge.model.hf is not available in this build")
-        return None
+def export_hf(model, tokenizer, cfg: TrainConfig, hf_dir: Path) -> Path:
+    from seekforge.model.hf import save_hf
+
     save_hf(model, hf_dir)
     if cfg.tokenizer != "byte":  # the byte tokenizer needs no files; load_model falls back to it
         for name in ("tokenizer.json", "tokenizer_config.json"):

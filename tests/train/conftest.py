@@ -1,5 +1,5 @@
-"""Stand-ins with the interface of seekforge.data (built by another branch): a dataset of
-token windows and a shuffling BatchLoader with exact-resume state."""
+"""Test fakes: a learnable dataset of token windows and a shuffling loader with exact-resume state,
+so trainer tests do not depend on the data pipeline's corpora (tested in tests/data)."""
 
 from __future__ import annotations
 
@@ -73,84 +73,3 @@ def make_loader():
         vocab = cfg.model_config().vocab_size
         return StandInLoader(PatternDataset(vocab, cfg.seq_len, num_samples, seed), cfg.micro_batch_size, seed)
     return make
-
-
-class _StandInDataModule:
-    """`seekforge.data` as its API is specified: build_dataset(spec, tokenizer, seq_len, seed,
-    num_samples), BatchLoader(dataset, batch_size, seed), corpora.unigram_entropy(ids)."""
-
-    @staticmethod
-    def build_dataset(spec, tokenizer, seq_len, seed, num_samples):
-        return PatternDataset(tokenizer.vocab_size, seq_len, max(num_samples, 8), seed)
-
-    BatchLoader = StandInLoader
-
-    @staticmethod
-    def unigram_entropy(ids):
-        counts = torch.bincount(torch.as_tensor(ids).reshape(-1)).float()
-        p = counts[counts > 0] / counts.sum()
-        return float(-(p * p.log()).sum())
-
-
-@pytest.fixture
-def data_module(monkeypatch):
-    """The real seekforge.data once it is merged; until then the stand-in above."""
-    try:
-        import seekforge.data  # noqa: F401
-        import seekforge.data.corpora  # noqa: F401
-        return "real"
-    except ModuleNotFoundError:
-        import sys
-        import types
-
-        data = types.ModuleType("seekforge.data")
-        data.build_dataset = _StandInDataModule.build_dataset
-        data.BatchLoader = _StandInDataModule.BatchLoader
-        corpora = types.ModuleType("seekforge.data.corpora")
-        corpora.unigram_entropy = _StandInDataModule.unigram_entropy
-        data.corpora = corpora
-        monkeypatch.setitem(sys.modules, "seekforge.data", data)
-        monkeypatch.setitem(sys.modules, "seekforge.data.corpora", corpora)
-        return "stand-in"
-
-
-def _stand_in_save_hf(model, path, max_shard_size="5GB", dtype=None):
-    import json
-    from pathlib import Path
-
-    from safetensors.torch import save_file
-
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(model.cfg.to_hf()))
-    state = {k: v.to(dtype or v.dtype).contiguous() for k, v in model.state_dict().items()}
-    save_file(state, str(path / "model.safetensors"))
-
-
-def _stand_in_load_hf(path, device="cpu", dtype=torch.float32):
-    from pathlib import Path
-
-    from safetensors.torch import load_file
-
-    from seekforge.config import ModelConfig
-    from seekforge.model.model import build_model
-
-    model = build_model(ModelConfig.from_hf(path), device, dtype)
-    model.load_state_dict({k: v.to(dtype) for k, v in load_file(str(Path(path) / "model.safetensors")).items()})
-    return model
-
-
-@pytest.fixture
-def hf_module(monkeypatch):
-    """seekforge.model.hf once merged; until then a plain-safetensors stand-in with its API."""
-    try:
-        import seekforge.model.hf  # noqa: F401
-        return "real"
-    except ModuleNotFoundError:
-        import sys
-        import types
-
-        hf = types.ModuleType("seekforge.model.hf")
-        hf.save_hf, hf.load_hf = _stand_in_save_hf, _stand_in_load_hf
-        monkeypatch.setitem(sys.modules, "seekforge.model.hf", hf)
-        return "stand-in"

@@ -7,7 +7,7 @@ from seekforge.cli import main
 from seekforge.train.checkpoint import latest_checkpoint, load_checkpoint
 
 
-def test_pretrain_cli_writes_run_artifacts(tmp_path, data_module, hf_module, capsys):
+def test_pretrain_cli_writes_run_artifacts(tmp_path, capsys):
     out = tmp_path / "run"
     config = tmp_path / "c.yaml"
     config.write_text("preset: tiny\nseq_len: 32\nmicro_batch_size: 4\nsteps: 4\nwarmup: 1\n"
@@ -41,7 +41,7 @@ def test_pretrain_cli_bad_input_is_a_clean_error(tmp_path, capsys):
     assert "stpes" in capsys.readouterr().err
 
 
-def test_convert_round_trip(tmp_path, hf_module):
+def test_convert_round_trip(tmp_path):
     from seekforge.config import preset
     from seekforge.model.model import build_model
     from seekforge.train.checkpoint import save_checkpoint
