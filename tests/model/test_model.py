@@ -80,11 +80,29 @@ def test_grouped_mm_equals_loop(dtype, counts):
     x = torch.randn(int(counts.sum()), 32, dtype=dtype)
     w = torch.randn(4, 48, 32, dtype=dtype)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    ref = grouped_mm_reference(x, w, counts) if counts.sum() else torch.zeros(0, 48, dtype=dtype)
+    ref = grouped_mm_reference(x, w, counts)
+    assert ref.shape == (x.shape[0], 48)
     torch.testing.assert_close(grouped_mm(x, w, counts), ref, atol=tol, rtol=tol)
+    # The grouped-GEMM kernel itself (the dispatcher uses it wherever it is faster, e.g. on GPU).
+    offsets = counts.cumsum(0).to(torch.int32)
+    kernel = torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
+    torch.testing.assert_close(kernel, ref, atol=tol, rtol=tol)
 
 
-def test_grouped_mm_backward_matches_loop():
+def test_grouped_mm_kernel_backward_matches_loop():
+    counts = torch.tensor([3, 9, 0, 4])
+    offsets = counts.cumsum(0).to(torch.int32)
+    x = torch.randn(16, 32, requires_grad=True)
+    w = torch.randn(4, 48, 32, requires_grad=True)
+    torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets).square().sum().backward()
+    grads = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    grouped_mm_reference(x, w, counts).square().sum().backward()
+    torch.testing.assert_close(grads[0], x.grad, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(grads[1], w.grad, atol=1e-4, rtol=1e-4)
+
+
+def test_grouped_experts_backward_matches_loop():
     counts = torch.tensor([3, 9, 0, 4])
     x = torch.randn(16, 32, requires_grad=True)
     experts = GroupedExperts(4, 32, 16)
