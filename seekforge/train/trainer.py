@@ -4,9 +4,11 @@ One optimizer step = `grad_accum` micro-batches of forward (bf16 autocast over f
 and backward on loss = lm + λ·mtp + aux (train/loss.py), a global grad-norm clip, AdamW, the LR
 schedule, then the aux-loss-free expert-bias update from that step's global expert loads.
 
-Distributed seam: nothing here builds parallelism. When torch.distributed is initialized, expert
-loads are summed over `dp_group` before the bias update, logged losses are averaged over it, only
-rank 0 logs, and checkpoints are DCP (each rank writes its shards).
+Distributed seam: nothing here builds parallelism; the model arrives parallelized (parallel/
+parallelize) and the loader yields this data-parallel rank's slice of the global batch. With a
+`mesh`, the loss runs under TP's loss context, expert loads are summed over the data-parallel
+ranks before the bias update, logged losses are their mean (the single-device loss of the global
+batch), only rank 0 logs, and checkpoints are DCP (each rank writes its shards).
 """
 
 from __future__ import annotations
@@ -18,16 +20,18 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 from seekforge.config import TrainConfig
 from seekforge.parallel.recompute import apply_recompute
+from seekforge.parallel.tp import loss_context
 from seekforge.train.balance import update_expert_bias
 from seekforge.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from seekforge.train.flops import flops_per_token, measure_peak_flops
 from seekforge.train.loss import lm_loss
 from seekforge.train.metrics import MetricsLogger, plot_loss_curve
-from seekforge.train.optim import build_optimizer
+from seekforge.train.optim import build_optimizer, clip_grad_norm
 
 
 def prepare_model(model, cfg: TrainConfig):
@@ -49,17 +53,25 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """A loss computed under TP's loss_parallel is a replicated DTensor; its value is the local one."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 class Trainer:
     def __init__(self, cfg: TrainConfig, model, loader, eval_batches: list[dict] | None = None,
-                 out_dir: str | Path | None = None, dp_group=None, baseline: float | None = None):
+                 out_dir: str | Path | None = None, mesh=None, baseline: float | None = None):
         """loader: an iterable of batch dicts with state_dict()/load_state_dict() (data/BatchLoader)
-        whose iter() continues from its current state (what exact resume relies on);
+        whose iter() continues from its current state (what exact resume relies on); under data
+        parallelism it yields this rank's slice (B / dp, T) of each global batch (B, T);
+        mesh: the ParallelMesh the model was parallelized over (parallel/mesh.py), None on one device;
         eval_batches: fixed held-out batches, so evaluations are comparable across steps and resumes;
         baseline: the corpus unigram entropy, drawn on the loss plot."""
         self.cfg, self.model, self.loader = cfg, model, loader
         self.eval_batches = eval_batches or []
         self.out_dir = Path(out_dir or cfg.out_dir)
-        self.dp_group = dp_group
+        self.dp_group = mesh["dp"].get_group() if mesh is not None else None
+        self.tp_mesh = mesh["tp"] if mesh is not None else None
         self.baseline = baseline
         self.is_main = not _distributed() or dist.get_rank() == 0
         self.device = next(model.parameters()).device
@@ -69,7 +81,8 @@ class Trainer:
             moe.aux_loss_coeff = cfg.aux_loss_coeff
         self.ckpt_root = self.out_dir / "checkpoints"
         self.step = 0  # optimizer steps taken
-        self.tokens_per_step = cfg.micro_batch_size * cfg.seq_len * cfg.grad_accum  # per rank
+        self.tokens_per_step = cfg.micro_batch_size * cfg.seq_len * cfg.grad_accum  # global batch
+        self.num_devices = dist.get_world_size() if _distributed() else 1
         self.flops_per_token = flops_per_token(model.cfg, cfg.seq_len, with_mtp=cfg.mtp_loss_scale > 0)
         probe_dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
         self.peak_flops = cfg.peak_flops or measure_peak_flops(probe_dtype, self.device)
@@ -111,14 +124,15 @@ class Trainer:
         sums: dict[str, torch.Tensor] = {}
         for _ in range(cfg.grad_accum):
             batch = self._next_batch()
-            with self._autocast():
-                loss, parts = lm_loss(self.model, batch["input_ids"], batch["labels"], batch.get("positions"),
-                                      batch.get("segment_ids"), cfg.mtp_loss_scale)
-            (loss / cfg.grad_accum).backward()
+            with loss_context(self.tp_mesh):
+                with self._autocast():
+                    loss, parts = lm_loss(self.model, batch["input_ids"], batch["labels"], batch.get("positions"),
+                                          batch.get("segment_ids"), cfg.mtp_loss_scale)
+                (loss / cfg.grad_accum).backward()
             for name, value in {"loss": loss.detach(), **parts}.items():
-                sums[name] = sums.get(name, 0) + value.float() / cfg.grad_accum
+                sums[name] = sums.get(name, 0) + _plain(value).float() / cfg.grad_accum
         max_norm = cfg.clip if cfg.clip > 0 else math.inf  # inf: measure the norm, clip nothing
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        grad_norm = clip_grad_norm(self.model.parameters(), max_norm)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
@@ -135,7 +149,7 @@ class Trainer:
         tokens_per_s = self.tokens_per_step / elapsed
         metrics = dict(zip(names, values[:-1], strict=True))
         metrics.update(grad_norm=values[-1], lr=lr, tokens_per_s=tokens_per_s, step_time_s=elapsed,
-                       mfu=tokens_per_s * self.flops_per_token / self.peak_flops)
+                       mfu=tokens_per_s * self.flops_per_token / (self.peak_flops * self.num_devices))
         if imbalance:
             metrics["expert_imbalance"] = imbalance  # max/mean tokens per expert, per MoE layer
             metrics["expert_imbalance_max"] = max(imbalance)
@@ -152,10 +166,10 @@ class Trainer:
         losses = []
         for batch in self.eval_batches:
             batch = {k: v.to(self.device) for k, v in batch.items()}
-            with self._autocast():
+            with loss_context(self.tp_mesh), self._autocast():
                 _, parts = lm_loss(self.model, batch["input_ids"], batch["labels"], batch.get("positions"),
                                    batch.get("segment_ids"), mtp_loss_scale=0.0)
-            losses.append(parts["lm_loss"].float())
+            losses.append(_plain(parts["lm_loss"]).float())
         self.model.train()
         for moe, counts in zip(self.moe_layers, saved_counts, strict=True):
             moe.tokens_per_expert.copy_(counts)
@@ -209,7 +223,7 @@ class Trainer:
         if "eval_loss" in last:
             parts.append(f"eval {last['eval_loss']:.4f}")
         parts += [f"lr {last['lr']:.2e}", f"gnorm {last['grad_norm']:.2f}", f"{tokens_per_s:,.0f} tok/s",
-                  f"MFU {100 * tokens_per_s * self.flops_per_token / self.peak_flops:.1f}%"]
+                  f"MFU {100 * tokens_per_s * self.flops_per_token / (self.peak_flops * self.num_devices):.1f}%"]
         if "expert_imbalance_max" in last:
             parts.append(f"imbalance {last['expert_imbalance_max']:.2f}")
         rate = bar.format_dict.get("rate")
