@@ -197,9 +197,14 @@ def load_checkpoint(path: str | Path, model, optimizer=None, scheduler=None, loa
     for i, module in enumerate(modules):
         if optimizers is None:
             set_model_state_dict(module, state["model"], options=StateDictOptions(strict=strict))
-        else:
-            set_state_dict(module, optimizers[i], model_state_dict=state["model"], optim_state_dict=state["optim"],
-                           options=StateDictOptions(flatten_optimizer_state_dict=True, strict=strict))
+            continue
+        # How AdamW steps (fused kernel or per parameter) suits this layout's tensors, not the saving
+        # one's: keep it across the load, which restores every param-group entry.
+        kernels = [{k: g[k] for k in ("fused", "foreach") if k in g} for g in optimizers[i].param_groups]
+        set_state_dict(module, optimizers[i], model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=StateDictOptions(flatten_optimizer_state_dict=True, strict=strict))
+        for group, kernel in zip(optimizers[i].param_groups, kernels, strict=True):
+            group.update(kernel)
     trainer = state["trainer"]
     if not has_optim:
         return int(trainer["step"])
