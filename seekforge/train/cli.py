@@ -138,7 +138,7 @@ def parallel_layout(cfg: TrainConfig, model_cfg: ModelConfig, world_size: int) -
         return None
     pc = cfg.parallel_config() if cfg.parallel else ParallelConfig(dp_shard=world_size, recompute=cfg.recompute,
                                                                   compile=cfg.compile)
-    if "WORLD_SIZE" not in os.environ and pc.world_size > 1:
+    if world_size == 1 and pc.world_size > 1:
         raise ValueError(f"--parallel asks for {pc.world_size} ranks but this is a single process; launch with "
                          f"torchrun --nproc-per-node {pc.world_size} -m seekforge.cli pretrain ...")
     pc.validate(world_size, model_cfg)
