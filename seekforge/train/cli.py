@@ -132,15 +132,17 @@ def build_data(cfg: TrainConfig, tokenizer, dp_rank: int = 0, dp_size: int = 1):
 
 
 def parallel_layout(cfg: TrainConfig, model_cfg: ModelConfig, world_size: int) -> ParallelConfig | None:
-    """The layout of a torchrun job (None on one process), checked before any process group or
+    """The layout of a torchrun job (None for one plain process), checked before any process group or
     tensor exists so that a bad one fails at once with one message."""
     if world_size == 1 and not cfg.parallel:
         return None
     pc = cfg.parallel_config() if cfg.parallel else ParallelConfig(dp_shard=world_size, recompute=cfg.recompute,
                                                                   compile=cfg.compile)
-    if world_size == 1 and pc.world_size > 1:
-        raise ValueError(f"--parallel asks for {pc.world_size} ranks but this is a single process; launch with "
-                         f"torchrun --nproc-per-node {pc.world_size} -m seekforge.cli pretrain ...")
+    if world_size == 1 and "WORLD_SIZE" not in os.environ:  # a plain process, not started by torchrun
+        if pc.world_size > 1:
+            raise ValueError(f"--parallel asks for {pc.world_size} ranks but this is a single process; launch "
+                             f"with torchrun --nproc-per-node {pc.world_size} -m seekforge.cli pretrain ...")
+        return None
     pc.validate(world_size, model_cfg)
     if pc.pp > 1:
         raise ValueError(f"pp={pc.pp}: `seekforge pretrain` does not drive pipeline schedules yet; use pp=1 here "
