@@ -144,13 +144,23 @@ def parallel_layout(cfg: TrainConfig, model_cfg: ModelConfig, world_size: int) -
                              f"with torchrun --nproc-per-node {pc.world_size} -m seekforge.cli pretrain ...")
         return None
     pc.validate(world_size, model_cfg)
-    if pc.pp > 1:
-        raise ValueError(f"pp={pc.pp}: `seekforge pretrain` does not drive pipeline schedules yet; use pp=1 here "
-                         "(PipelineRunner in parallel/pp.py is the Python API)")
     dp = pc.dp_replicate * pc.dp_shard
     if cfg.micro_batch_size % dp:
         raise ValueError(f"micro_batch_size={cfg.micro_batch_size} (the global batch) does not split over "
                          f"dp_replicate*dp_shard={dp} data-parallel ranks; make it a multiple of {dp}")
+    if pc.pp > 1:  # what the pipeline stages' loss (parallel/pp.StageModule.loss) does not cover
+        if (cfg.micro_batch_size // dp) % pc.microbatches:
+            raise ValueError(f"each data-parallel rank's {cfg.micro_batch_size // dp} samples do not split into "
+                             f"microbatches={pc.microbatches}; make micro_batch_size a multiple of "
+                             f"{dp * pc.microbatches}")
+        if cfg.aux_loss_coeff > 0:
+            raise ValueError(f"aux_loss_coeff={cfg.aux_loss_coeff} with pp={pc.pp}: the sequence-wise balance loss "
+                             "is not added across pipeline stages; set --set aux_loss_coeff=0 (the aux-loss-free "
+                             "bias still balances the experts)")
+        if cfg.dtype != "fp32" or cfg.grad_accum != 1:
+            raise ValueError(f"dtype={cfg.dtype}, grad_accum={cfg.grad_accum} with pp={pc.pp}: use --dtype fp32 "
+                             "(bf16 compute: parallel mixed_precision=bf16) and grad_accum=1 (more microbatches "
+                             "instead)")
     return pc
 
 
@@ -197,7 +207,14 @@ def _train(cfg: TrainConfig, pc: ParallelConfig | None, model_cfg: ModelConfig, 
     else:
         mesh = build_mesh(pc, model_cfg)
         loader, eval_batches, baseline = build_data(cfg, tokenizer, mesh["dp"].get_local_rank(), mesh["dp"].size())
-        parallelize(model, pc, mesh)  # TP → EP → recompute → compile → FSDP
+        if pc.pp > 1:
+            from seekforge.parallel.pp import PipelineRunner
+
+            model = PipelineRunner(model, pc, mesh)  # cuts the stages, then parallelizes each
+            for stage in model.modules:
+                stage.mtp_loss_scale = cfg.mtp_loss_scale
+        else:
+            parallelize(model, pc, mesh)  # TP → EP → recompute → compile → FSDP
     trainer = Trainer(cfg, model, loader, eval_batches, out_dir, mesh=mesh, baseline=baseline)
     if latest is not None:
         trainer.resume(latest)
@@ -231,7 +248,8 @@ def _train(cfg: TrainConfig, pc: ParallelConfig | None, model_cfg: ModelConfig, 
     elapsed = time.perf_counter() - start
     if history:
         last = history[-1]
-        say(f"done: {len(history)} steps in {elapsed:.0f}s; final lm loss {last['lm_loss']:.3f}, "
+        final = f"lm loss {last['lm_loss']:.3f}" if "lm_loss" in last else f"loss {last['loss']:.3f}"
+        say(f"done: {len(history)} steps in {elapsed:.0f}s; final {final}, "
             f"eval loss {last.get('eval_loss', float('nan')):.3f} vs unigram entropy {baseline:.3f} nats/token")
     else:
         say(f"nothing to train: {out_dir} already holds step {trainer.step}/{cfg.steps} (--no-resume restarts)")
@@ -239,7 +257,7 @@ def _train(cfg: TrainConfig, pc: ParallelConfig | None, model_cfg: ModelConfig, 
 
     if not (cfg.export_hf or cfg.sample_prompt):
         return
-    plain = plain_copy(model, model_cfg)  # every rank takes part in the gather; rank 0 gets the weights
+    plain = plain_copy(model, model_cfg, mesh)  # every rank takes part in the gather; rank 0 gets the weights
     if not is_main:
         return
     sample_model = plain
@@ -264,15 +282,26 @@ def export_hf(model, tokenizer, cfg: TrainConfig, hf_dir: Path) -> Path:
     return hf_dir
 
 
-def plain_copy(model, model_cfg: ModelConfig):
+def plain_copy(model, model_cfg: ModelConfig, mesh=None):
     """The trained weights in an unwrapped, uncompiled, unsharded CPU Transformer (generation uses
     KV caches; save_hf writes plain tensors). A collective under torch.distributed: every rank must
-    call it; rank 0 gets the model, the others None."""
+    call it; rank 0 gets the model, the others None. model: a Transformer or a PipelineRunner."""
     from seekforge.model.model import Transformer
 
-    # Full (unsharded) tensors gathered onto rank 0's CPU, under the plain parameter names.
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    state = get_model_state_dict(model, options=options)
+    if isinstance(model, torch.nn.Module):
+        # Full (unsharded) tensors gathered onto rank 0's CPU, under the plain parameter names.
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    else:
+        # Pipeline stages live on other ranks than 0: every rank gathers its stages' full tensors
+        # over dp/tp, and one rank per stage sends them to rank 0.
+        state = {}
+        for stage in model.modules:
+            state.update(get_model_state_dict(stage, options=StateDictOptions(full_state_dict=True)))
+        sender = mesh["dp"].get_local_rank() == 0 and mesh["tp"].get_local_rank() == 0
+        state = {k: v.cpu() for k, v in state.items()} if sender else {}
+        parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(state, parts, dst=0)
+        state = {k: v for part in parts or [] for k, v in part.items()}
     if dist.is_initialized() and dist.get_rank() != 0:
         return None
     plain = Transformer(model_cfg)

@@ -9,6 +9,11 @@ parallelize) and the loader yields this data-parallel rank's slice of the global
 `mesh`, the loss runs under TP's loss context, expert loads are summed over the data-parallel
 ranks before the bias update, logged losses are their mean (the single-device loss of the global
 batch), only rank 0 logs, and checkpoints are DCP (each rank writes its shards).
+
+Pipeline parallelism: `model` is then a PipelineRunner (parallel/pp.py). Each of this rank's stages
+has its own optimizer (checkpoint names stay per stage), the schedule runs forward and backward of
+every micro-batch, the grad norm adds up over the pipeline ranks, and the logged loss comes from the
+last stage. Its loss parts (lm/mtp) and held-out evaluation are not computed there.
 """
 
 from __future__ import annotations
@@ -20,10 +25,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 from seekforge.config import TrainConfig
+from seekforge.model.moe import MoE
 from seekforge.parallel.recompute import apply_recompute
 from seekforge.parallel.tp import loss_context
 from seekforge.train.balance import update_expert_bias
@@ -61,7 +68,8 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
 class Trainer:
     def __init__(self, cfg: TrainConfig, model, loader, eval_batches: list[dict] | None = None,
                  out_dir: str | Path | None = None, mesh=None, baseline: float | None = None):
-        """loader: an iterable of batch dicts with state_dict()/load_state_dict() (data/BatchLoader)
+        """model: a (parallelized) Transformer, or a PipelineRunner holding this rank's stages;
+        loader: an iterable of batch dicts with state_dict()/load_state_dict() (data/BatchLoader)
         whose iter() continues from its current state (what exact resume relies on); under data
         parallelism it yields this rank's slice (B / dp, T) of each global batch (B, T);
         mesh: the ParallelMesh the model was parallelized over (parallel/mesh.py), None on one device;
@@ -74,16 +82,23 @@ class Trainer:
         self.tp_mesh = mesh["tp"] if mesh is not None else None
         self.baseline = baseline
         self.is_main = not _distributed() or dist.get_rank() == 0
-        self.device = next(model.parameters()).device
-        self.optimizer, self.scheduler = build_optimizer(model, cfg)
-        self.moe_layers = model.moe_layers()
+        self.runner = None if isinstance(model, nn.Module) else model  # a PipelineRunner is no Module
+        self.modules = [model] if self.runner is None else self.runner.modules
+        self.pp_group = mesh["pp"].get_group() if self.runner is not None else None
+        # The last stage's copy of the embedding (for MTP) is a second copy of one weight: clipped, not counted.
+        self.duplicates = {id(p) for m in self.modules if getattr(m, "is_last", False) and not m.is_first
+                           and hasattr(m, "embed_tokens") for p in m.embed_tokens.parameters()}
+        self.device = next(self.modules[0].parameters()).device
+        built = [build_optimizer(m, cfg) for m in self.modules]
+        self.optimizers, self.schedulers = [o for o, _ in built], [s for _, s in built]
+        self.moe_layers = [m for module in self.modules for m in module.modules() if isinstance(m, MoE)]
         for moe in self.moe_layers:
             moe.aux_loss_coeff = cfg.aux_loss_coeff
         self.ckpt_root = self.out_dir / "checkpoints"
         self.step = 0  # optimizer steps taken
         self.tokens_per_step = cfg.micro_batch_size * cfg.seq_len * cfg.grad_accum  # global batch
         self.num_devices = dist.get_world_size() if _distributed() else 1
-        self.flops_per_token = flops_per_token(model.cfg, cfg.seq_len, with_mtp=cfg.mtp_loss_scale > 0)
+        self.flops_per_token = flops_per_token(self.modules[0].cfg, cfg.seq_len, with_mtp=cfg.mtp_loss_scale > 0)
         probe_dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
         self.peak_flops = cfg.peak_flops or measure_peak_flops(probe_dtype, self.device)
         self._iterator = iter(loader)
@@ -94,12 +109,14 @@ class Trainer:
         path = path or latest_checkpoint(self.ckpt_root)
         if path is None:
             return False
-        self.step = load_checkpoint(path, self.model, self.optimizer, self.scheduler, self.loader)
+        self.step = load_checkpoint(path, self.modules, self.optimizers, self.schedulers[0], self.loader)
+        for scheduler in self.schedulers[1:]:  # every stage follows the same schedule
+            scheduler.load_state_dict(self.schedulers[0].state_dict())
         self._iterator = iter(self.loader)
         return True
 
     def save(self) -> Path:
-        return save_checkpoint(self.ckpt_root, self.step, self.model, self.optimizer, self.scheduler,
+        return save_checkpoint(self.ckpt_root, self.step, self.modules, self.optimizers, self.schedulers[0],
                                self.loader, keep=self.cfg.keep_checkpoints)
 
     # ------------------------------------------------------------------ one step
@@ -120,31 +137,42 @@ class Trainer:
         """One optimizer step. Returns its metrics (losses averaged over micro-batches and ranks)."""
         cfg = self.cfg
         start = time.perf_counter()
-        self.model.train()
+        for module in self.modules:
+            module.train()
         sums: dict[str, torch.Tensor] = {}
         for _ in range(cfg.grad_accum):
             batch = self._next_batch()
-            with loss_context(self.tp_mesh):
-                with self._autocast():
-                    loss, parts = lm_loss(self.model, batch["input_ids"], batch["labels"], batch.get("positions"),
-                                          batch.get("segment_ids"), cfg.mtp_loss_scale)
-                (loss / cfg.grad_accum).backward()
+            if self.runner is not None:  # forward and backward of all pipeline micro-batches
+                loss, parts = self.runner.step(batch["input_ids"], batch["labels"]), {}
+                loss = torch.zeros((), device=self.device) if loss is None else loss  # None off the last stage
+            else:
+                with loss_context(self.tp_mesh):
+                    with self._autocast():
+                        loss, parts = lm_loss(self.model, batch["input_ids"], batch["labels"],
+                                              batch.get("positions"), batch.get("segment_ids"), cfg.mtp_loss_scale)
+                    (loss / cfg.grad_accum).backward()
             for name, value in {"loss": loss.detach(), **parts}.items():
                 sums[name] = sums.get(name, 0) + _plain(value).float() / cfg.grad_accum
         max_norm = cfg.clip if cfg.clip > 0 else math.inf  # inf: measure the norm, clip nothing
-        grad_norm = clip_grad_norm(self.model.parameters(), max_norm)
-        lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        params = [p for module in self.modules for p in module.parameters()]
+        grad_norm = clip_grad_norm(params, max_norm, self.pp_group, self.duplicates)
+        lr = self.optimizers[0].param_groups[0]["lr"]
+        for optimizer, scheduler in zip(self.optimizers, self.schedulers, strict=True):
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
         imbalance = update_expert_bias(self.moe_layers, cfg.bias_update_speed, self.dp_group)
         self.step += 1
 
+        # The mean over the ranks that hold a loss: all of them, or the last pipeline stage's. TP
+        # replicas hold equal values, so this is the data-parallel mean.
+        holds_loss = float(self.runner is None or self.runner.last is not None)
         names = sorted(sums)
-        values = torch.stack([sums[n] for n in names] + [grad_norm.float().to(sums["loss"].device)])
+        values = torch.stack([sums[n] for n in names] + [grad_norm.float().to(sums["loss"].device),
+                                                         torch.ones((), device=sums["loss"].device)]) * holds_loss
         if _distributed():
-            dist.all_reduce(values, op=dist.ReduceOp.AVG, group=self.dp_group)
-        values = values.tolist()  # one device→host sync per step
+            dist.all_reduce(values)
+        values = (values[:-1] / values[-1]).tolist()  # one device→host sync per step
         elapsed = time.perf_counter() - start
         tokens_per_s = self.tokens_per_step / elapsed
         metrics = dict(zip(names, values[:-1], strict=True))
@@ -159,7 +187,7 @@ class Trainer:
     def evaluate(self) -> float:
         """Mean lm loss over the fixed held-out batches. MoE token counts are restored afterwards:
         evaluation traffic must not steer the balancing bias."""
-        if not self.eval_batches:
+        if not self.eval_batches or self.runner is not None:
             return float("nan")
         saved_counts = [m.tokens_per_expert.clone() for m in self.moe_layers]
         self.model.eval()
@@ -217,7 +245,9 @@ class Trainer:
     def _log_line(self, window: list[dict], bar) -> str:
         last = window[-1]
         tokens_per_s = sum(m["tokens_per_s"] * m["step_time_s"] for m in window) / sum(m["step_time_s"] for m in window)
-        parts = [f"step {self.step:>5}/{self.cfg.steps}", f"loss {last['loss']:.4f}", f"lm {last['lm_loss']:.4f}"]
+        parts = [f"step {self.step:>5}/{self.cfg.steps}", f"loss {last['loss']:.4f}"]
+        if "lm_loss" in last:
+            parts.append(f"lm {last['lm_loss']:.4f}")
         if "mtp_loss" in last:
             parts.append(f"mtp {last['mtp_loss']:.4f}")
         if "eval_loss" in last:
