@@ -1,6 +1,7 @@
 """`seekforge pretrain --parallel ...` on 2 gloo ranks (the CLI entry called in-process on each rank,
-as torchrun would run it) reproduces the single-device run, resumes its checkpoint under another
-layout, and `seekforge convert` turns that distributed checkpoint into an HF directory."""
+as torchrun would run it) reproduces the single-device run under FSDP and under a pipeline, resumes
+its checkpoint under another layout, and `seekforge convert` turns that distributed checkpoint into
+an HF directory."""
 
 import json
 import re
@@ -90,6 +91,26 @@ def test_convert_distributed_checkpoint_to_hf_and_back(runs, tmp_path):
                                       "--set", "export_hf=false", "--set", "save_interval=0"))
     first = curves(tmp_path / "again")[1]
     assert first["lm_loss"] < curves(runs / "single")[1]["lm_loss"] - 0.1  # trained weights, not a fresh init
+
+
+def test_pipeline_pretrain_matches_single_device_and_resumes_on_one_process(tmp_path):
+    # The pipeline stages' loss has no sequence-wise aux term (the CLI refuses one with pp > 1).
+    no_aux = ("--set", "aux_loss_coeff=0")
+    main(pretrain_args(tmp_path / "single", *no_aux))
+    launch(run_cli, 2, pretrain_args(tmp_path / "pp", *no_aux, "--parallel", "pp=2,microbatches=2"))
+    single, pipelined = curves(tmp_path / "single"), curves(tmp_path / "pp")
+    for step in range(1, STEPS + 1):  # the last stage logs the total loss only (no lm/mtp split)
+        for key in ("loss", "grad_norm", "lr"):
+            assert abs(pipelined[step][key] - single[step][key]) <= LOSS_TOL, (step, key)
+    ref, got = load_hf(tmp_path / "single" / "hf").state_dict(), load_hf(tmp_path / "pp" / "hf").state_dict()
+    assert got.keys() == ref.keys()  # rank 0 gathered every stage
+    assert max((got[k] - ref[k]).abs().max().item() for k in ref) <= WEIGHT_TOL
+
+    # The pipeline's step-2 checkpoint (each rank wrote its stages) continues on one process.
+    (tmp_path / "pp" / "checkpoints" / "latest").write_text(f"step_{SAVE_AT:06d}\n")
+    shutil.rmtree(tmp_path / "pp" / "checkpoints" / f"step_{STEPS:06d}")
+    main(pretrain_args(tmp_path / "pp", *no_aux, "--set", "export_hf=false"))
+    assert_same_curves(curves(tmp_path / "pp"), single, range(SAVE_AT + 1, STEPS + 1))
 
 
 @pytest.mark.parametrize("spec, message", [
