@@ -86,7 +86,8 @@ def _as_list(x) -> list:
 
 
 def _state(modules: list[nn.Module], optimizers: list | None) -> dict:
-    """{"model": ..., "optim": ...} merged over this rank's modules (pipeline stages share no name)."""
+    """{"model": ..., "optim": ...} merged over this rank's modules. Pipeline stages share no name
+    except the last stage's copy of the embedding (MTP), which holds the same values as the first's."""
     state = {"model": {}}
     if optimizers is None:
         for module in modules:

@@ -110,8 +110,8 @@ def resolve_model_config(cfg: TrainConfig, tokenizer_vocab: int) -> ModelConfig:
 def build_data(cfg: TrainConfig, tokenizer, dp_rank: int = 0, dp_size: int = 1):
     """Training loader, fixed eval batches and the unigram-entropy baseline (nats/token); the
     loader and eval batches hold data-parallel rank `dp_rank`'s rows of each global batch."""
-    from seekforge.data.dataset import BatchLoader, build_dataset
     from seekforge.data.corpora import unigram_entropy
+    from seekforge.data.dataset import BatchLoader, build_dataset
 
     samples_per_step = cfg.micro_batch_size * cfg.grad_accum
     train_set = build_dataset(cfg.data, tokenizer, cfg.seq_len, cfg.seed, cfg.steps * samples_per_step)

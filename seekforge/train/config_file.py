@@ -1,8 +1,8 @@
 """TrainConfig ⇄ YAML / TOML files, and `key=value` command-line overrides.
 
 A file is a flat mapping onto the TrainConfig fields (plus a `model:` table of ModelConfig
-overrides and a `parallel:` table of ParallelConfig keys). Unknown keys and wrongly typed values raise ValueError naming the key, so a typo never
-silently trains the default.
+overrides and a `parallel:` table of ParallelConfig keys). Unknown keys and wrongly typed values
+raise ValueError naming the key, so a typo never silently trains the default.
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ def curves(run_dir) -> dict[int, dict]:
 def assert_same_curves(got: dict, expected: dict, steps) -> None:
     for step in steps:
         for key in ("loss", "lm_loss", "mtp_loss", "grad_norm", "lr"):
-            assert abs(got[step][key] - expected[step][key]) <= LOSS_TOL, (step, key, got[step][key], expected[step][key])
+            assert abs(got[step][key] - expected[step][key]) <= LOSS_TOL, (step, key, got[step], expected[step])
 
 
 @pytest.fixture(scope="module")
