@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 VERBS = {
@@ -41,7 +42,12 @@ def main(argv: list[str] | None = None) -> None:
     try:
         module.run(args)
     except ValueError as e:  # bad user input: say what and how to fix it, no traceback
-        print(f"seekforge {argv[0]}: error: {e}", file=sys.stderr)
+        import torch.distributed as dist  # already loaded by any verb that runs distributed
+
+        # Under torchrun every rank fails alike; one message is enough.
+        rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+        if rank == 0:
+            print(f"seekforge {argv[0]}: error: {e}", file=sys.stderr)
         sys.exit(2)
 
 

@@ -436,6 +436,9 @@ class TrainConfig:
     bias_update_speed: float = 1e-2
     recompute: str = "none"  # "none" | "full" | "selective"
     compile: bool = False  # torch.compile each block
+    # ParallelConfig keys for a torchrun job, e.g. {"dp_shard": 2, "tp": 2}; {} on one process
+    # (`--parallel dp_shard=2,tp=2` on the command line, a `parallel:` table in a config file).
+    parallel: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
     out_dir: str = "runs/default"
     log_interval: int = 25
@@ -480,6 +483,7 @@ class TrainConfig:
             if getattr(self, key) < 0:
                 bad(key, "must be >= 0")
         self.model_config()  # bad model overrides fail now, not after data loading
+        self.parallel_config()  # likewise a bad layout (its fit to the world size is checked at launch)
 
     def model_config(self, vocab_size: int | None = None) -> ModelConfig:
         """The preset with `model` overrides; `vocab_size` (the tokenizer's) wins when given."""
@@ -491,3 +495,11 @@ class TrainConfig:
         if vocab_size is not None:
             overrides["vocab_size"] = vocab_size
         return preset(self.preset, **overrides)
+
+    def parallel_config(self) -> ParallelConfig:
+        """The `parallel` table as a ParallelConfig; recompute and compile default to this config's."""
+        names = {f.name for f in dataclasses.fields(ParallelConfig)}
+        unknown = sorted(set(self.parallel) - names)
+        if unknown:
+            raise ValueError(f"parallel has unknown key(s) {unknown}; valid ParallelConfig keys: {sorted(names)}")
+        return ParallelConfig(**{"recompute": self.recompute, "compile": self.compile, **self.parallel})

@@ -158,17 +158,24 @@ class BlendedDataset:
 
 
 class BatchLoader:
-    """Endless iterator of batches: dicts of LongTensors (B, T) with the dataset's keys.
+    """Endless iterator of batches: dicts of LongTensors (B / dp_size, T) with the dataset's keys.
 
-    Batch b holds samples b·B … b·B + B − 1 of an endless stream that walks the dataset in a fresh
-    seeded permutation each pass. The whole state is the batch counter, so resuming from
-    state_dict() continues exactly where an uninterrupted run would.
+    Global batch b holds samples b·B … b·B + B − 1 of an endless stream that walks the dataset in a
+    fresh seeded permutation each pass; data-parallel rank r of dp_size takes rows
+    [r·B/dp, (r+1)·B/dp) of it, so the ranks together see exactly the single-device batch. The whole
+    state is the global batch counter, identical on every rank, so a run resumes exactly under any
+    number of data-parallel ranks.
     """
 
-    def __init__(self, dataset, batch_size: int, seed: int = 0):
+    def __init__(self, dataset, batch_size: int, seed: int = 0, dp_rank: int = 0, dp_size: int = 1):
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size}; must be ≥ 1")
+        if batch_size % dp_size:
+            raise ValueError(f"the global batch of {batch_size} samples does not split over {dp_size} data-parallel "
+                             f"ranks; make micro_batch_size a multiple of {dp_size}")
+        assert 0 <= dp_rank < dp_size, (dp_rank, dp_size)
         self.dataset, self.batch_size, self.seed = dataset, batch_size, seed
+        self.dp_rank, self.dp_size = dp_rank, dp_size
         self.batches_yielded = 0
         self._order_pass, self._order = -1, None
 
@@ -183,8 +190,9 @@ class BatchLoader:
         return self
 
     def __next__(self) -> dict[str, torch.Tensor]:
-        first = self.batches_yielded * self.batch_size
-        samples = [self._sample_at(first + j) for j in range(self.batch_size)]
+        rows = self.batch_size // self.dp_size
+        first = self.batches_yielded * self.batch_size + self.dp_rank * rows
+        samples = [self._sample_at(first + j) for j in range(rows)]
         self.batches_yielded += 1
         return {key: torch.from_numpy(np.stack([s[key] for s in samples]).astype(np.int64)) for key in samples[0]}
 

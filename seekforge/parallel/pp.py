@@ -29,6 +29,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_s
 from torch.distributed.tensor import DTensor
 
 from seekforge.config import ParallelConfig
+from seekforge.model.moe import MoE
 from seekforge.model.mtp import mtp_losses
 from seekforge.parallel.mesh import ParallelMesh
 from seekforge.parallel.parallelize import parallelize
@@ -114,6 +115,7 @@ class PipelineRunner:
         schedule_class = get_schedule_class(pc.pp_schedule)
         single = issubclass(schedule_class, PipelineScheduleSingle)
         self.schedule = schedule_class(stages[0] if single else stages, pc.microbatches, loss_fn=self._loss)
+        _keep_expert_counts(self.schedule, self.modules)
 
     def _loss(self, h: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         # target (B, 2, T) carries the input ids along with the labels: MTP needs both on the last stage.
@@ -144,6 +146,28 @@ class PipelineRunner:
                 g.copy_(total)
         elif len(grads) == 1 and self.tied_group is not None:
             dist.all_reduce(grads[0], group=self.tied_group)
+
+
+def _keep_expert_counts(schedule, modules: list[nn.Module]) -> None:
+    """On its first step a schedule infers the stages' shapes by running their forward (and the last
+    stage's loss, MTP included) once more (torch 2.13: `_initialize_pp_stages`; a private hook point,
+    hence the guard). That routing is not training traffic and must not steer the aux-loss-free
+    bias: the MoE token counts are restored after it."""
+    name = "_initialize_pp_stages"
+    initialize = getattr(schedule, name, None)
+    moe_layers = [m for module in modules for m in module.modules() if isinstance(m, MoE)]
+    if initialize is None or not moe_layers:
+        return
+
+    def without_counting(*args, **kwargs):
+        saved = [m.tokens_per_expert.clone() for m in moe_layers]
+        try:
+            return initialize(*args, **kwargs)
+        finally:
+            for moe, counts in zip(moe_layers, saved, strict=True):
+                moe.tokens_per_expert.copy_(counts)
+
+    setattr(schedule, name, without_counting)
 
 
 def _tied_embedding_group(mesh: ParallelMesh, pc: ParallelConfig):

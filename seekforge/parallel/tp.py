@@ -65,10 +65,10 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = Fa
         rope_dim, group = attn.cfg.qk_rope_head_dim, tp_mesh.get_group()
         attn.kv_a_proj_with_mqa.register_forward_hook(
             lambda mod, args, out, rope_dim=rope_dim, group=group: _AllReduceRopeKeyGrad.apply(out, rope_dim, group))
-        if sp:  # gather the sequence for attention: args (x, cos, sin, mask), only x is split
+        if sp:  # gather the sequence for attention: args (x, cos, sin, mask, kv_cache), only x is split
             parallelize_module(attn, tp_mesh, PrepareModuleInput(
-                input_layouts=(Shard(1), None, None, None), desired_input_layouts=(Replicate(), None, None, None),
-                use_local_output=True))
+                input_layouts=(Shard(1), None, None, None, None),
+                desired_input_layouts=(Replicate(), None, None, None, None), use_local_output=True))
         if isinstance(block.mlp, MLP):
             _apply_mlp(block.mlp, tp_mesh, output=residual)
             if sp:

@@ -1,12 +1,19 @@
-"""Training checkpoints with torch.distributed.checkpoint (DCP): save, exact resume, atomic swap.
+"""Training checkpoints with torch.distributed.checkpoint (DCP): save, exact resume, atomic swap,
+for a plain model and a parallelized one alike (FSDP/HSDP, TP, EP DTensors, pipeline stages).
 
 Layout under `<out_dir>/checkpoints/`:
-    step_000100/        DCP files: model, optimizer, scheduler, step (sharded-tensor aware, so the
-                        same code saves an FSDP/TP model, each rank writing its own shards)
+    step_000100/        DCP files: model, optimizer, scheduler, step, data-loader position
     step_000100/config.json  the ModelConfig (HF keys), so a checkpoint rebuilds its own model
-    step_000100/rank0.pt  rank-local state: RNG states (torch CPU/CUDA, python, numpy) and the
-                        data-loader position — they differ per data-parallel rank
+    step_000100/rank0.pt  rank-local RNG states (torch CPU/CUDA, python, numpy)
     latest              text file naming the newest complete checkpoint, written last
+
+Any layout → any layout: `get_state_dict` names every weight and optimizer state by its full-model
+name ("layers.3.mlp...", "state.layers.3.mlp....exp_avg", flattened so pipeline stages merge by
+plain dict union) and keeps sharded tensors as DTensors with their global shapes; DCP writes each
+shard once and reshards on load. So a run saved on 4 ranks (FSDP × TP × EP) resumes on a 2-rank
+pipeline or on one process, and `seekforge convert` reads it without a process group. The loader
+position is the global batch counter (data/dataset.BatchLoader), the same on every rank, so it is
+stored once in the DCP state; RNG states are per rank and restored only where the rank existed.
 
 Atomicity: everything is written into `step_000100.tmp/` and renamed only when complete; `latest`
 is replaced with os.replace after that. A crash at any point leaves `latest` naming a complete
@@ -28,13 +35,17 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch import nn
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
-    get_optimizer_state_dict,
+    get_state_dict,
     set_model_state_dict,
-    set_optimizer_state_dict,
+    set_state_dict,
 )
 
+# Flat optimizer keys ("state.<fqn>.exp_avg") merge across pipeline stages by plain dict union.
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -70,10 +81,33 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _as_list(x) -> list:
+    return list(x) if isinstance(x, list | tuple) else [x]
+
+
+def _state(modules: list[nn.Module], optimizers: list | None) -> dict:
+    """{"model": ..., "optim": ...} merged over this rank's modules. Pipeline stages share no name
+    except the last stage's copy of the embedding (MTP), which holds the same values as the first's."""
+    state = {"model": {}}
+    if optimizers is None:
+        for module in modules:
+            state["model"].update(get_model_state_dict(module))
+        return state
+    state["optim"] = {}
+    for module, optimizer in zip(modules, optimizers, strict=True):
+        m, o = get_state_dict(module, optimizer, options=_OPTIONS)
+        state["model"].update(m)
+        state["optim"].update(o)
+    return state
+
+
 def save_checkpoint(ckpt_root: str | Path, step: int, model, optimizer=None, scheduler=None, loader=None,
                     keep: int = 2) -> Path:
-    """Write checkpoint `step` atomically, point `latest` at it, keep the newest `keep`.
-    optimizer=None writes a weights-only checkpoint (what `seekforge convert` makes from HF)."""
+    """Write checkpoint `step` atomically, point `latest` at it, keep the newest `keep`. Every rank
+    calls it. model / optimizer: a module and its optimizer, or parallel lists of this rank's
+    pipeline stages and their optimizers. optimizer=None writes a weights-only checkpoint (what
+    `seekforge convert` makes from HF)."""
+    modules = _as_list(model)
     ckpt_root = Path(ckpt_root)
     final = ckpt_root / f"step_{step:06d}"
     tmp = ckpt_root / f"step_{step:06d}.tmp"
@@ -81,17 +115,17 @@ def save_checkpoint(ckpt_root: str | Path, step: int, model, optimizer=None, sch
         ckpt_root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
     _barrier()
-    state = {"model": get_model_state_dict(model), "trainer": {"step": step}}
+    state = _state(modules, None if optimizer is None else _as_list(optimizer))
+    state["trainer"] = {"step": step}
     if scheduler is not None:
         state["trainer"]["scheduler"] = scheduler.state_dict()
-    if optimizer is not None:
-        state["optim"] = get_optimizer_state_dict(model, optimizer)
+    if loader is not None:
+        state["trainer"]["loader"] = loader.state_dict()
     with _quiet_dcp():
         dcp.save(state, checkpoint_id=str(tmp))
-    local = {"rng": rng_state(), "loader": loader.state_dict() if loader is not None else None}
-    torch.save(local, tmp / f"rank{_rank()}.pt")
-    if _rank() == 0 and hasattr(model, "cfg"):  # self-describing: convert and resume rebuild from it
-        (tmp / "config.json").write_text(json.dumps(model.cfg.to_hf(), indent=2))
+    torch.save({"rng": rng_state()}, tmp / f"rank{_rank()}.pt")
+    if _rank() == 0 and hasattr(modules[0], "cfg"):  # self-describing: convert and resume rebuild from it
+        (tmp / "config.json").write_text(json.dumps(modules[0].cfg.to_hf(), indent=2))
     _barrier()
     if _rank() == 0:
         if final.exists():  # re-saving the same step (e.g. the final save after a periodic one)
@@ -135,39 +169,51 @@ def latest_checkpoint(ckpt_root: str | Path) -> Path | None:
 
 def load_checkpoint(path: str | Path, model, optimizer=None, scheduler=None, loader=None,
                     restore_rng: bool = True) -> int:
-    """Load in place; returns the step stored (the number of optimizer steps taken).
-    A weights-only checkpoint (from `seekforge convert`) leaves the optimizer, scheduler, data
-    position and RNG untouched: training continues from those weights as a fresh run."""
+    """Load in place into this layout's (already parallelized) model(s); returns the step stored
+    (the number of optimizer steps taken). Arguments as for save_checkpoint. A weights-only
+    checkpoint (from `seekforge convert`) leaves the optimizer, scheduler, data position and RNG
+    untouched: training continues from those weights as a fresh run."""
     path = Path(path)
     if not (path / ".metadata").exists():
         raise ValueError(f"{path} is not a DCP checkpoint (no .metadata); pass a step_* directory")
-    has_optim = has_optimizer_state(path)
-    # DCP loads into a template of the same structure; ask only for what is there and wanted.
-    state = {"model": get_model_state_dict(model), "trainer": {"step": 0}}
-    if optimizer is not None and has_optim:
-        state["optim"] = get_optimizer_state_dict(model, optimizer)
-    if scheduler is not None and has_optim:
+    modules = _as_list(model)
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata  # flattened: "optim.state..."
+
+    def has(prefix: str) -> bool:
+        return any(key.startswith(prefix + ".") for key in saved)
+
+    has_optim = has("optim")
+    optimizers = _as_list(optimizer) if optimizer is not None and has_optim else None
+    # DCP loads into a template of the same structure (a fresh optimizer gets zero state tensors to
+    # load into); ask only for what is there and wanted.
+    state = _state(modules, optimizers)
+    state["trainer"] = {"step": 0}
+    if scheduler is not None and has("trainer.scheduler"):
         state["trainer"]["scheduler"] = scheduler.state_dict()
+    if loader is not None and has_optim and has("trainer.loader"):
+        state["trainer"]["loader"] = loader.state_dict()
     with _quiet_dcp():
         dcp.load(state, checkpoint_id=str(path))
-    set_model_state_dict(model, state["model"])
-    if "optim" in state:
-        set_optimizer_state_dict(model, optimizer, state["optim"])
-    if not has_optim:
-        return int(state["trainer"]["step"])
+    strict = len(modules) == 1  # pipeline stages each take their part of the merged dicts
+    for i, module in enumerate(modules):
+        if optimizers is None:
+            set_model_state_dict(module, state["model"], options=StateDictOptions(strict=strict))
+            continue
+        # How AdamW steps (fused kernel or per parameter) suits this layout's tensors, not the saving
+        # one's: keep it across the load, which restores every param-group entry.
+        kernels = [{k: g[k] for k in ("fused", "foreach") if k in g} for g in optimizers[i].param_groups]
+        set_state_dict(module, optimizers[i], model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=StateDictOptions(flatten_optimizer_state_dict=True, strict=strict))
+        for group, kernel in zip(optimizers[i].param_groups, kernels, strict=True):
+            group.update(kernel)
     trainer = state["trainer"]
+    if not has_optim:
+        return int(trainer["step"])
     if "scheduler" in trainer:
         scheduler.load_state_dict(trainer["scheduler"])
+    if "loader" in trainer:
+        loader.load_state_dict(trainer["loader"])
     local_file = path / f"rank{_rank()}.pt"
-    if (loader is not None or restore_rng) and local_file.exists():
-        local = torch.load(local_file, weights_only=False)  # our own file: python/numpy RNG tuples
-        if restore_rng:
-            set_rng_state(local["rng"])
-        if loader is not None and local["loader"] is not None:
-            loader.load_state_dict(local["loader"])
+    if restore_rng and local_file.exists():
+        set_rng_state(torch.load(local_file, weights_only=False)["rng"])  # our own file: python/numpy RNG tuples
     return int(trainer["step"])
-
-
-def has_optimizer_state(path: str | Path) -> bool:
-    metadata = dcp.FileSystemReader(str(path)).read_metadata()
-    return any(key.startswith("optim.") for key in metadata.state_dict_metadata)

@@ -1,13 +1,14 @@
 """TrainConfig ⇄ YAML / TOML files, and `key=value` command-line overrides.
 
 A file is a flat mapping onto the TrainConfig fields (plus a `model:` table of ModelConfig
-overrides). Unknown keys and wrongly typed values raise ValueError naming the key, so a typo never
-silently trains the default.
+overrides and a `parallel:` table of ParallelConfig keys). Unknown keys and wrongly typed values
+raise ValueError naming the key, so a typo never silently trains the default.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ import yaml
 from seekforge.config import TrainConfig
 
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+_TABLES = ("model", "parallel")  # nested mappings; a file's table and the overrides' merge key by key
 
 
 def load_train_config(path: str | Path | None = None, overrides: list[str] | dict | None = None) -> TrainConfig:
@@ -26,10 +28,9 @@ def load_train_config(path: str | Path | None = None, overrides: list[str] | dic
         updates = dict(overrides)
     else:
         updates = parse_overrides(overrides or [])
-    model = {**raw.get("model", {}), **updates.pop("model", {})}
+    tables = {key: {**raw.get(key, {}), **updates.pop(key, {})} for key in _TABLES}
     raw.update(updates)
-    if model:
-        raw["model"] = model
+    raw.update({key: table for key, table in tables.items() if table})
     return train_config_from_dict(raw)
 
 
@@ -53,18 +54,33 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:
-    """["lr=1e-3", "model.num_hidden_layers=2"] → {"lr": 0.001, "model": {"num_hidden_layers": 2}}.
-    Values are parsed as YAML scalars/lists, so `betas=[0.9,0.99]` and `compile=true` work."""
+    """["lr=1e-3", "model.num_hidden_layers=2", "parallel.tp=2"] → {"lr": 0.001, "model":
+    {"num_hidden_layers": 2}, "parallel": {"tp": 2}}. Values are parsed as YAML scalars/lists, so
+    `betas=[0.9,0.99]` and `compile=true` work."""
     out: dict[str, Any] = {}
     for item in items:
         if "=" not in item:
             raise ValueError(f"override {item!r} is not key=value (e.g. --set lr=1e-3)")
         key, text = item.split("=", 1)
         value = yaml.safe_load(text) if text else ""
-        if key.startswith("model."):
-            out.setdefault("model", {})[key[len("model."):]] = value
+        table, _, name = key.partition(".")
+        if name and table in _TABLES:
+            out.setdefault(table, {})[name] = value
         else:
             out[key] = value
+    return out
+
+
+def parse_parallel(spec: str) -> dict[str, Any]:
+    """"dp_shard=2,tp=2,pp_split_points=[2,4]" → {"dp_shard": 2, "tp": 2, "pp_split_points": [2, 4]}
+    (ParallelConfig keys; YAML values; commas inside [...] belong to the value)."""
+    out: dict[str, Any] = {}
+    for item in re.split(r",(?![^\[]*\])", spec):
+        key, eq, text = item.strip().partition("=")
+        if not eq or not key or not text:
+            raise ValueError(f"--parallel {spec!r}: {item!r} is not key=value; write e.g. "
+                             "--parallel dp_shard=2,tp=2 (keys of ParallelConfig in seekforge/config.py)")
+        out[key] = yaml.safe_load(text)
     return out
 
 
@@ -114,7 +130,7 @@ def _coerce(key: str, value: Any) -> Any:
         value = tuple(float(v) for v in value)
     elif isinstance(default, dict):
         if not isinstance(value, dict):
-            raise wrong("a mapping of ModelConfig keys")
+            raise wrong(f"a mapping of {'ModelConfig' if key == 'model' else 'ParallelConfig'} keys")
     return value
 
 

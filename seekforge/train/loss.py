@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Replicate
 
 from seekforge.model.mtp import mtp_losses
 
@@ -25,6 +26,10 @@ def lm_loss(model, input_ids, labels, positions=None, segment_ids=None, mtp_loss
     aux = [m.aux_loss for m in model.moe_layers() if m.aux_loss is not None]
     if aux:
         aux_total = torch.stack(aux).sum()
+        if isinstance(loss, DTensor):
+            # TP: the vocab-parallel loss is a replicated DTensor while the routers (not split by TP)
+            # give every TP rank the same plain aux loss; mixing the two breaks autograd's products.
+            aux_total = DTensor.from_local(aux_total, loss.device_mesh, [Replicate()] * loss.device_mesh.ndim)
         loss = loss + aux_total
         metrics["aux_loss"] = aux_total.detach()
         for m in model.moe_layers():

@@ -59,9 +59,10 @@ def plot_loss_curve(jsonl_path: str | Path, png_path: str | Path, baseline: floa
 
     records = read_metrics(jsonl_path)
     fig, ax = plt.subplots(figsize=(7, 4))
-    train = [(r["step"], r["lm_loss"]) for r in records if "lm_loss" in r]
+    key = "lm_loss" if any("lm_loss" in r for r in records) else "loss"  # pipeline runs log the total only
+    train = [(r["step"], r[key]) for r in records if key in r]
     if train:
-        ax.plot(*zip(*train, strict=True), label="train lm loss", linewidth=1)
+        ax.plot(*zip(*train, strict=True), label=f"train {key.replace('_', ' ')}", linewidth=1)
     evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
     if evals:
         ax.plot(*zip(*evals, strict=True), "o-", label="eval lm loss")

@@ -9,7 +9,9 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from seekforge.config import TrainConfig
 
@@ -26,11 +28,40 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig):
     """AdamW (decoupled decay, Loshchilov & Hutter) + a LambdaLR driving `lr_at`; both checkpointable."""
-    # fused=True is one kernel per dtype on CPU and CUDA alike; torch 2.4+ has it on CPU.
+    # fused=True is one kernel per dtype on CPU and CUDA alike; torch 2.4+ has it on CPU. One kernel
+    # takes one kind of tensor: plain tensors, or DTensors of one mesh (FSDP alone). Layouts that mix
+    # them (TP leaves small weights plain, EP puts experts on their own mesh) step per parameter.
+    meshes = {p.device_mesh if isinstance(p, DTensor) else None for p in model.parameters()}
     optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas,
-                                  eps=1e-8, fused=True)
+                                  eps=1e-8, fused=len(meshes) == 1, foreach=False if len(meshes) > 1 else None)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, cfg) / cfg.lr)
     return optimizer, scheduler
+
+
+def clip_grad_norm(parameters, max_norm: float, pp_group=None, duplicates: set[int] = frozenset()) -> torch.Tensor:
+    """Scale all gradients by min(1, max_norm / ‖g‖) where ‖g‖ is the global L2 norm over every
+    parameter; returns ‖g‖ (a plain scalar tensor). Sharded gradients (FSDP, TP, EP DTensors) count
+    by their global tensors: each mesh's norm is reduced by DTensor, then the meshes' norms combine;
+    pp_group: the pipeline ranks, whose stages' norms add up; duplicates: ids of parameters that
+    repeat another one (a pipeline stage's copy of a tied weight), clipped but not counted."""
+    by_mesh: dict = {}  # mesh (None: plain tensors) → parameters with a gradient
+    for p in parameters:
+        if p.grad is not None:
+            by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    norms = []
+    for params in by_mesh.values():
+        grads = [p.grad for p in params if id(p) not in duplicates]
+        if grads:
+            norm = torch.nn.utils.get_total_norm(grads)
+            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
+    if pp_group is not None:
+        squared = total.float() ** 2
+        dist.all_reduce(squared, group=pp_group)
+        total = squared.sqrt()
+    for params in by_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

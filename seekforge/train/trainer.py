@@ -4,9 +4,16 @@ One optimizer step = `grad_accum` micro-batches of forward (bf16 autocast over f
 and backward on loss = lm + λ·mtp + aux (train/loss.py), a global grad-norm clip, AdamW, the LR
 schedule, then the aux-loss-free expert-bias update from that step's global expert loads.
 
-Distributed seam: nothing here builds parallelism. When torch.distributed is initialized, expert
-loads are summed over `dp_group` before the bias update, logged losses are averaged over it, only
-rank 0 logs, and checkpoints are DCP (each rank writes its shards).
+Distributed seam: nothing here builds parallelism; the model arrives parallelized (parallel/
+parallelize) and the loader yields this data-parallel rank's slice of the global batch. With a
+`mesh`, the loss runs under TP's loss context, expert loads are summed over the data-parallel
+ranks before the bias update, logged losses are their mean (the single-device loss of the global
+batch), only rank 0 logs, and checkpoints are DCP (each rank writes its shards).
+
+Pipeline parallelism: `model` is then a PipelineRunner (parallel/pp.py). Each of this rank's stages
+has its own optimizer (checkpoint names stay per stage), the schedule runs forward and backward of
+every micro-batch, the grad norm adds up over the pipeline ranks, and the logged loss comes from the
+last stage. Its loss parts (lm/mtp) and held-out evaluation are not computed there.
 """
 
 from __future__ import annotations
@@ -18,16 +25,20 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 from seekforge.config import TrainConfig
+from seekforge.model.moe import MoE
 from seekforge.parallel.recompute import apply_recompute
+from seekforge.parallel.tp import loss_context
 from seekforge.train.balance import update_expert_bias
 from seekforge.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from seekforge.train.flops import flops_per_token, measure_peak_flops
 from seekforge.train.loss import lm_loss
 from seekforge.train.metrics import MetricsLogger, plot_loss_curve
-from seekforge.train.optim import build_optimizer
+from seekforge.train.optim import build_optimizer, clip_grad_norm
 
 
 def prepare_model(model, cfg: TrainConfig):
@@ -49,28 +60,45 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """A loss computed under TP's loss_parallel is a replicated DTensor; its value is the local one."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 class Trainer:
     def __init__(self, cfg: TrainConfig, model, loader, eval_batches: list[dict] | None = None,
-                 out_dir: str | Path | None = None, dp_group=None, baseline: float | None = None):
-        """loader: an iterable of batch dicts with state_dict()/load_state_dict() (data/BatchLoader)
-        whose iter() continues from its current state (what exact resume relies on);
+                 out_dir: str | Path | None = None, mesh=None, baseline: float | None = None):
+        """model: a (parallelized) Transformer, or a PipelineRunner holding this rank's stages;
+        loader: an iterable of batch dicts with state_dict()/load_state_dict() (data/BatchLoader)
+        whose iter() continues from its current state (what exact resume relies on); under data
+        parallelism it yields this rank's slice (B / dp, T) of each global batch (B, T);
+        mesh: the ParallelMesh the model was parallelized over (parallel/mesh.py), None on one device;
         eval_batches: fixed held-out batches, so evaluations are comparable across steps and resumes;
         baseline: the corpus unigram entropy, drawn on the loss plot."""
         self.cfg, self.model, self.loader = cfg, model, loader
         self.eval_batches = eval_batches or []
         self.out_dir = Path(out_dir or cfg.out_dir)
-        self.dp_group = dp_group
+        self.dp_group = mesh["dp"].get_group() if mesh is not None else None
+        self.tp_mesh = mesh["tp"] if mesh is not None else None
         self.baseline = baseline
         self.is_main = not _distributed() or dist.get_rank() == 0
-        self.device = next(model.parameters()).device
-        self.optimizer, self.scheduler = build_optimizer(model, cfg)
-        self.moe_layers = model.moe_layers()
+        self.runner = None if isinstance(model, nn.Module) else model  # a PipelineRunner is no Module
+        self.modules = [model] if self.runner is None else self.runner.modules
+        self.pp_group = mesh["pp"].get_group() if self.runner is not None else None
+        # The last stage's copy of the embedding (for MTP) is a second copy of one weight: clipped, not counted.
+        self.duplicates = {id(p) for m in self.modules if getattr(m, "is_last", False) and not m.is_first
+                           and hasattr(m, "embed_tokens") for p in m.embed_tokens.parameters()}
+        self.device = next(self.modules[0].parameters()).device
+        built = [build_optimizer(m, cfg) for m in self.modules]
+        self.optimizers, self.schedulers = [o for o, _ in built], [s for _, s in built]
+        self.moe_layers = [m for module in self.modules for m in module.modules() if isinstance(m, MoE)]
         for moe in self.moe_layers:
             moe.aux_loss_coeff = cfg.aux_loss_coeff
         self.ckpt_root = self.out_dir / "checkpoints"
         self.step = 0  # optimizer steps taken
-        self.tokens_per_step = cfg.micro_batch_size * cfg.seq_len * cfg.grad_accum  # per rank
-        self.flops_per_token = flops_per_token(model.cfg, cfg.seq_len, with_mtp=cfg.mtp_loss_scale > 0)
+        self.tokens_per_step = cfg.micro_batch_size * cfg.seq_len * cfg.grad_accum  # global batch
+        self.num_devices = dist.get_world_size() if _distributed() else 1
+        self.flops_per_token = flops_per_token(self.modules[0].cfg, cfg.seq_len, with_mtp=cfg.mtp_loss_scale > 0)
         probe_dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
         self.peak_flops = cfg.peak_flops or measure_peak_flops(probe_dtype, self.device)
         self._iterator = iter(loader)
@@ -81,12 +109,14 @@ class Trainer:
         path = path or latest_checkpoint(self.ckpt_root)
         if path is None:
             return False
-        self.step = load_checkpoint(path, self.model, self.optimizer, self.scheduler, self.loader)
+        self.step = load_checkpoint(path, self.modules, self.optimizers, self.schedulers[0], self.loader)
+        for scheduler in self.schedulers[1:]:  # every stage follows the same schedule
+            scheduler.load_state_dict(self.schedulers[0].state_dict())
         self._iterator = iter(self.loader)
         return True
 
     def save(self) -> Path:
-        return save_checkpoint(self.ckpt_root, self.step, self.model, self.optimizer, self.scheduler,
+        return save_checkpoint(self.ckpt_root, self.step, self.modules, self.optimizers, self.schedulers[0],
                                self.loader, keep=self.cfg.keep_checkpoints)
 
     # ------------------------------------------------------------------ one step
@@ -107,35 +137,47 @@ class Trainer:
         """One optimizer step. Returns its metrics (losses averaged over micro-batches and ranks)."""
         cfg = self.cfg
         start = time.perf_counter()
-        self.model.train()
+        for module in self.modules:
+            module.train()
         sums: dict[str, torch.Tensor] = {}
         for _ in range(cfg.grad_accum):
             batch = self._next_batch()
-            with self._autocast():
-                loss, parts = lm_loss(self.model, batch["input_ids"], batch["labels"], batch.get("positions"),
-                                      batch.get("segment_ids"), cfg.mtp_loss_scale)
-            (loss / cfg.grad_accum).backward()
+            if self.runner is not None:  # forward and backward of all pipeline micro-batches
+                loss, parts = self.runner.step(batch["input_ids"], batch["labels"]), {}
+                loss = torch.zeros((), device=self.device) if loss is None else loss  # None off the last stage
+            else:
+                with loss_context(self.tp_mesh):
+                    with self._autocast():
+                        loss, parts = lm_loss(self.model, batch["input_ids"], batch["labels"],
+                                              batch.get("positions"), batch.get("segment_ids"), cfg.mtp_loss_scale)
+                    (loss / cfg.grad_accum).backward()
             for name, value in {"loss": loss.detach(), **parts}.items():
-                sums[name] = sums.get(name, 0) + value.float() / cfg.grad_accum
+                sums[name] = sums.get(name, 0) + _plain(value).float() / cfg.grad_accum
         max_norm = cfg.clip if cfg.clip > 0 else math.inf  # inf: measure the norm, clip nothing
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        params = [p for module in self.modules for p in module.parameters()]
+        grad_norm = clip_grad_norm(params, max_norm, self.pp_group, self.duplicates)
+        lr = self.optimizers[0].param_groups[0]["lr"]
+        for optimizer, scheduler in zip(self.optimizers, self.schedulers, strict=True):
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
         imbalance = update_expert_bias(self.moe_layers, cfg.bias_update_speed, self.dp_group)
         self.step += 1
 
+        # The mean over the ranks that hold a loss: all of them, or the last pipeline stage's. TP
+        # replicas hold equal values, so this is the data-parallel mean.
+        holds_loss = float(self.runner is None or self.runner.last is not None)
         names = sorted(sums)
-        values = torch.stack([sums[n] for n in names] + [grad_norm.float().to(sums["loss"].device)])
+        values = torch.stack([sums[n] for n in names] + [grad_norm.float().to(sums["loss"].device),
+                                                         torch.ones((), device=sums["loss"].device)]) * holds_loss
         if _distributed():
-            dist.all_reduce(values, op=dist.ReduceOp.AVG, group=self.dp_group)
-        values = values.tolist()  # one device→host sync per step
+            dist.all_reduce(values)
+        values = (values[:-1] / values[-1]).tolist()  # one device→host sync per step
         elapsed = time.perf_counter() - start
         tokens_per_s = self.tokens_per_step / elapsed
         metrics = dict(zip(names, values[:-1], strict=True))
         metrics.update(grad_norm=values[-1], lr=lr, tokens_per_s=tokens_per_s, step_time_s=elapsed,
-                       mfu=tokens_per_s * self.flops_per_token / self.peak_flops)
+                       mfu=tokens_per_s * self.flops_per_token / (self.peak_flops * self.num_devices))
         if imbalance:
             metrics["expert_imbalance"] = imbalance  # max/mean tokens per expert, per MoE layer
             metrics["expert_imbalance_max"] = max(imbalance)
@@ -145,17 +187,17 @@ class Trainer:
     def evaluate(self) -> float:
         """Mean lm loss over the fixed held-out batches. MoE token counts are restored afterwards:
         evaluation traffic must not steer the balancing bias."""
-        if not self.eval_batches:
+        if not self.eval_batches or self.runner is not None:
             return float("nan")
         saved_counts = [m.tokens_per_expert.clone() for m in self.moe_layers]
         self.model.eval()
         losses = []
         for batch in self.eval_batches:
             batch = {k: v.to(self.device) for k, v in batch.items()}
-            with self._autocast():
+            with loss_context(self.tp_mesh), self._autocast():
                 _, parts = lm_loss(self.model, batch["input_ids"], batch["labels"], batch.get("positions"),
                                    batch.get("segment_ids"), mtp_loss_scale=0.0)
-            losses.append(parts["lm_loss"].float())
+            losses.append(_plain(parts["lm_loss"]).float())
         self.model.train()
         for moe, counts in zip(self.moe_layers, saved_counts, strict=True):
             moe.tokens_per_expert.copy_(counts)
@@ -203,13 +245,15 @@ class Trainer:
     def _log_line(self, window: list[dict], bar) -> str:
         last = window[-1]
         tokens_per_s = sum(m["tokens_per_s"] * m["step_time_s"] for m in window) / sum(m["step_time_s"] for m in window)
-        parts = [f"step {self.step:>5}/{self.cfg.steps}", f"loss {last['loss']:.4f}", f"lm {last['lm_loss']:.4f}"]
+        parts = [f"step {self.step:>5}/{self.cfg.steps}", f"loss {last['loss']:.4f}"]
+        if "lm_loss" in last:
+            parts.append(f"lm {last['lm_loss']:.4f}")
         if "mtp_loss" in last:
             parts.append(f"mtp {last['mtp_loss']:.4f}")
         if "eval_loss" in last:
             parts.append(f"eval {last['eval_loss']:.4f}")
         parts += [f"lr {last['lr']:.2e}", f"gnorm {last['grad_norm']:.2f}", f"{tokens_per_s:,.0f} tok/s",
-                  f"MFU {100 * tokens_per_s * self.flops_per_token / self.peak_flops:.1f}%"]
+                  f"MFU {100 * tokens_per_s * self.flops_per_token / (self.peak_flops * self.num_devices):.1f}%"]
         if "expert_imbalance_max" in last:
             parts.append(f"imbalance {last['expert_imbalance_max']:.2f}")
         rate = bar.format_dict.get("rate")

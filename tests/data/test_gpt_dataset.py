@@ -112,6 +112,20 @@ def test_batch_loader_resume_is_exact():
         BatchLoader(ds, batch_size=4, seed=5).load_state_dict(state)
 
 
+def test_batch_loader_data_parallel_slices_make_the_global_batch():
+    ds = GPTDataset(_docs(), 8, 20, seed=0)
+    single = BatchLoader(ds, batch_size=4, seed=5)
+    reference = [next(single) for _ in range(6)]
+    ranks = [BatchLoader(ds, batch_size=4, seed=5, dp_rank=r, dp_size=2) for r in range(2)]
+    for rank in ranks:  # resume a 1-rank run's position on 2 ranks: the state is the global batch counter
+        rank.load_state_dict({**single.state_dict(), "batches_yielded": 2})
+    for expected in reference[2:]:
+        halves = [next(rank) for rank in ranks]
+        assert torch.equal(torch.cat([h["input_ids"] for h in halves]), expected["input_ids"])
+    with pytest.raises(ValueError, match="make micro_batch_size a multiple of 3"):
+        BatchLoader(ds, batch_size=4, seed=5, dp_rank=0, dp_size=3)
+
+
 def test_parse_blend():
     assert parse_blend("a") == [(1.0, "a")]
     assert parse_blend("0.7 a 0.3 builtin:text") == [(0.7, "a"), (0.3, "builtin:text")]

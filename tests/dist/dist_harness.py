@@ -59,11 +59,12 @@ def local_value(t: torch.Tensor) -> torch.Tensor:
 def run_layout(cfg_overrides: dict, pc_kwargs: dict, steps: tuple[int, int] = (0, STEPS),
                load: str | None = None, save: str | None = None, auto: bool = False):
     """On each rank: build, parallelize (or pipeline), optionally resume from `load`, train steps
-    [start, stop) of the shared data, optionally save to `save`. Returns a dict with the dp-averaged
+    [start, stop) of the shared data, optionally save to (and load from) the checkpoint root `save`
+    (`load`) through train/checkpoint.py. Returns a dict with the dp-averaged
     `losses`, the full `weights` and flattened full `optim` state (at the end), and `loaded_weights` /
     `loaded_optim` right after loading. auto=True builds the same layout through AutoParallel."""
-    from seekforge.parallel.layout import load_checkpoint, save_checkpoint
     from seekforge.parallel.pp import PipelineRunner
+    from seekforge.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 
     cfg = model_config(**cfg_overrides)
     pc = ParallelConfig(**pc_kwargs)
@@ -88,7 +89,7 @@ def run_layout(cfg_overrides: dict, pc_kwargs: dict, steps: tuple[int, int] = (0
     optimizers = [make_optimizer(m.parameters()) for m in modules]  # one per stage: checkpoint names stay per module
     out = {}
     if load is not None:
-        load_checkpoint(load, modules, optimizers)
+        load_checkpoint(latest_checkpoint(load), modules, optimizers)
         out["loaded_weights"], out["loaded_optim"] = full_state(modules, optimizers)
     dp_mesh = mesh["dp"]
     dp_rank, dp = dp_mesh.get_local_rank(), dp_mesh.size()
@@ -110,7 +111,7 @@ def run_layout(cfg_overrides: dict, pc_kwargs: dict, steps: tuple[int, int] = (0
         dist.all_reduce(loss)  # one contribution per dp rank (tp replicas averaged below)
         losses.append(loss.item() / dp / mesh["tp"].size())
     if save is not None:
-        save_checkpoint(save, modules, optimizers)
+        save_checkpoint(save, steps[1], modules, optimizers)
     out["losses"] = losses
     out["weights"], out["optim"] = full_state(modules, optimizers)
     return out

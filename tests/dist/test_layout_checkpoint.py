@@ -15,7 +15,7 @@ LOSS_TOL, WEIGHT_TOL = 1e-5, 1e-4
 def test_save_fsdp_tp_ep_resume_pipeline(tmp_path):
     cfg_overrides = dict(num_hidden_layers=LAYERS)
     ref_losses, ref_state = reference_run(model_config(**cfg_overrides), steps=STEPS)
-    ckpt = str(tmp_path / "step2")
+    ckpt = str(tmp_path / "checkpoints")
 
     # 4 ranks: FSDP over 2 × TP 2, experts split over the 2 FSDP ranks.
     before = launch(run_layout, 4, cfg_overrides, dict(dp_shard=2, tp=2, ep=2), (0, SAVE_AT), None, ckpt)

@@ -94,3 +94,17 @@ def test_unparsable_file_and_wrong_extension(tmp_path):
     json_file.write_text("{}")
     with pytest.raises(ValueError, match=".yaml, .yml or .toml"):
         load_train_config(json_file)
+
+
+def test_parallel_table_and_flag(tmp_path):
+    from seekforge.train.config_file import parse_parallel
+
+    path = tmp_path / "c.yaml"
+    path.write_text("preset: tiny\nrecompute: full\nparallel:\n  dp_shard: 2\n  tp: 2\n")
+    cfg = load_train_config(path, ["parallel.ep=2"])
+    pc = cfg.parallel_config()
+    assert (pc.dp_shard, pc.tp, pc.ep, pc.recompute) == (2, 2, 2, "full")  # recompute defaults to the run's
+    assert parse_parallel("dp_shard=2,pp_split_points=[2,4],pp_schedule=1F1B") == dict(
+        dp_shard=2, pp_split_points=[2, 4], pp_schedule="1F1B")
+    with pytest.raises(ValueError, match=r"parallel has unknown key\(s\) \['tpp'\]"):
+        load_train_config(None, ["parallel.tpp=2"])
