@@ -306,7 +306,8 @@ def _sse(chunks: AsyncIterator[str]) -> StreamingResponse:
 # ---------------------------------------------------------------------------------------- CLI
 def add_arguments(p):
     p.add_argument("--model", default="tiny", help="preset name or HF-format checkpoint directory")
-    p.add_argument("--served-model-name", default=None, help="the `model` name clients send; when unset, the --model value")
+    p.add_argument("--served-model-name", default=None,
+                   help="the `model` name clients send; when unset, the --model value")
     p.add_argument("--host", default="127.0.0.1", help="bind address; 0.0.0.0 exposes the server")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
