@@ -139,3 +139,28 @@ def test_moe_layer_matches_reference(autocast):
     for ours, ref in zip(*results, strict=True):
         scale = ref.abs().max().clamp_min(1e-6)
         torch.testing.assert_close(ours / scale, ref / scale, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-6)])
+def test_chunked_cross_entropy_matches_fp32_cross_entropy(dtype, tol):
+    """train/loss.py's chunked cross-entropy against F.cross_entropy on the fp32 upcast of the same
+    logits (what the loss did before), with ignored rows and more rows than one chunk: loss and
+    logits gradient. Both compute in fp32 from the same values; the gradient is returned in the
+    logits' dtype, so bf16 is compared after rounding the reference gradient to bf16 too."""
+    from seekforge.train.loss import _ChunkedCrossEntropy, cross_entropy
+
+    gen = torch.Generator().manual_seed(0)
+    vocab = 300
+    n = 3 * max(16, _ChunkedCrossEntropy.CHUNK_ELEMENTS // vocab) + 5
+    logits = (4 * torch.randn(n, vocab, generator=gen)).to(dtype).requires_grad_()
+    labels = torch.randint(0, vocab, (n,), generator=gen)
+    labels[::7] = -100
+    ours = cross_entropy(logits, labels, -100)
+    ref = F.cross_entropy(logits.float(), labels, ignore_index=-100)
+    torch.testing.assert_close(ours, ref, rtol=tol, atol=tol)
+    g_ours = torch.autograd.grad(ours, logits)[0]
+    g_ref = torch.autograd.grad(ref, logits)[0]
+    assert g_ours.dtype == dtype
+    torch.testing.assert_close(g_ours.float(), g_ref.to(dtype).float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5,
+                               atol=1e-7)
+    assert torch.isnan(cross_entropy(logits, torch.full((n,), -100), -100))  # as F.cross_entropy
