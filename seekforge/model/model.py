@@ -26,6 +26,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # Nothing to round between normalizing and scaling (the fp32 residual stream under bf16
+            # autocast): the weighted fused kernel computes the same, forward and backward, ~3x faster
+            # on CPU than the unfused scale's mul, its backward's two muls and a sum.
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         # Normalize in fp32, round to the input dtype, then scale (HF's order, so bf16 results match);
         # F.rms_norm is one fused kernel instead of five.
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)

@@ -164,3 +164,25 @@ def test_chunked_cross_entropy_matches_fp32_cross_entropy(dtype, tol):
     torch.testing.assert_close(g_ours.float(), g_ref.to(dtype).float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5,
                                atol=1e-7)
     assert torch.isnan(cross_entropy(logits, torch.full((n,), -100), -100))  # as F.cross_entropy
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_rms_norm_fp32_fused_matches_unfused(autocast):
+    """RMSNorm on an fp32 input (the residual stream, also under bf16 autocast) runs the weighted
+    fused kernel; the reference is the unfused fp32 path (normalize, then scale): values and
+    gradients of input and weight within 1e-5."""
+    from seekforge.model.model import RMSNorm
+
+    torch.manual_seed(0)
+    norm = RMSNorm(64)
+    torch.nn.init.normal_(norm.weight)
+    x = torch.randn(3, 5, 64, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out = norm(x)
+    assert out.dtype == torch.float32
+    ref = norm.weight * F.rms_norm(x, (64,), eps=norm.eps)
+    g = torch.randn_like(ref)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    for ours, expected in zip(torch.autograd.grad(out, (x, norm.weight), g),
+                              torch.autograd.grad(ref, (x, norm.weight), g), strict=True):
+        torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-5)
