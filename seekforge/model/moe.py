@@ -78,9 +78,16 @@ class LocalDispatcher:
         order, inverse = state
         n, k = weights.shape
         unsorted = gather_copies(y, inverse, order, 1).view(n, k, -1)  # back to (token, k) order
-        # A broadcast multiply and a sum over k: einsum's batched (1, K) @ (K, H) bmm, forward and
-        # backward, was ~3x slower on CPU. The products round to y's dtype before the (fp32-accumulated) sum.
-        return (unsorted * weights.to(y.dtype).unsqueeze(-1)).sum(dim=1)
+        return weighted_sum(unsorted, weights)
+
+
+def weighted_sum(unsorted: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """unsorted (N, K, H) expert outputs in (token, k) order, weights (N, K) → (N, H).
+
+    A broadcast multiply and a sum over k: einsum's batched (1, K) @ (K, H) bmm, forward and
+    backward, was ~3x slower on CPU. The products round to the outputs' dtype before the
+    (fp32-accumulated) sum."""
+    return (unsorted * weights.to(unsorted.dtype).unsqueeze(-1)).sum(dim=1)
 
 
 class _GatherCopies(torch.autograd.Function):
