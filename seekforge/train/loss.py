@@ -4,6 +4,7 @@ eq. 25) + the optional sequence-wise balance loss collected from the MoE layers.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from seekforge.model.mtp import mtp_losses
 
@@ -35,6 +36,8 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int 
     """F.cross_entropy(logits.float(), labels, ignore_index) (mean over kept rows), for logits (N, V) in
     any float dtype, without an fp32 copy of the whole (N, V) logits forward or backward: rows go
     through fp32 in cache-sized chunks (`_ChunkedCrossEntropy`)."""
+    if type(logits) is not torch.Tensor:  # a DTensor (tensor-parallel head): DTensor's own loss ops
+        return F.cross_entropy(logits.float(), labels, ignore_index=ignore_index)
     return _ChunkedCrossEntropy.apply(logits, labels, ignore_index)
 
 
