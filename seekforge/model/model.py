@@ -168,6 +168,9 @@ class MLA(nn.Module):
             # needs v padded to dqk); attention as plain batched matmuls is ~1.5x faster (2 threads).
             if torch.is_autocast_enabled("cpu"):  # autocast runs SDPA in its dtype; a Function is not cast
                 q, k, v = (t.to(torch.get_autocast_dtype("cpu")) for t in (q, k, v))
+            # One copy each into the (B, nh, ·, ·) layout: batched matmuls take a transposed last-two-
+            # dims view as is, but a head dim strided inside T makes every fwd/bwd matmul copy again.
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
             if mask is None and is_causal:
                 mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
             out = MatmulAttention.apply(q, k, v, mask, self.softmax_scale)
