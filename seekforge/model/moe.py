@@ -65,19 +65,56 @@ class LocalDispatcher:
         """x (N, H), indices (N, K) → sorted copies (S, H), tokens per expert (E,), state for combine."""
         flat = indices.reshape(-1)  # (S,)
         order = flat.argsort(stable=True)  # copy positions grouped by expert
+        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
         num_tokens_per_expert = torch.bincount(flat, minlength=num_experts)
         token_of_copy = order // indices.shape[1]
-        return x[token_of_copy], num_tokens_per_expert, order
+        return gather_copies(x, token_of_copy, inverse, indices.shape[1]), num_tokens_per_expert, (order, inverse)
 
-    def wait(self, routed: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    def wait(self, routed: torch.Tensor, state) -> torch.Tensor:
         return routed  # nothing in flight on one device
 
-    def combine(self, y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def combine(self, y: torch.Tensor, state, weights: torch.Tensor) -> torch.Tensor:
         """y (S, H) in expert order, weights (N, K) → (N, H) = Σ_k weight · expert output."""
+        order, inverse = state
         n, k = weights.shape
-        unsorted = torch.empty_like(y).index_copy_(0, order, y)  # back to (token, k) order
-        unsorted = unsorted.view(n, k, -1)
-        return torch.einsum("nkh,nk->nh", unsorted, weights.to(y.dtype))
+        unsorted = gather_copies(y, inverse, order, 1).view(n, k, -1)  # back to (token, k) order
+        return weighted_sum(unsorted, weights)
+
+
+def weighted_sum(unsorted: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """unsorted (N, K, H) expert outputs in (token, k) order, weights (N, K) → (N, H).
+
+    A broadcast multiply and a sum over k: einsum's batched (1, K) @ (K, H) bmm, forward and
+    backward, was ~3x slower on CPU. The products round to the outputs' dtype before the
+    (fp32-accumulated) sum."""
+    return (unsorted * weights.to(unsorted.dtype).unsqueeze(-1)).sum(dim=1)
+
+
+class _GatherCopies(torch.autograd.Function):
+    """x.index_select(0, index) where the output rows are copies of x's rows, copy (n, j) of row n
+    sitting at row inverse[n·k + j]: every row of x copied exactly k times. autograd's own backward
+    for x[index] is a scattered accumulate (index_put_, serial on CPU: ~10 ms a layer here); knowing
+    where the copies are makes it a gather plus a sum over the k copies."""
+
+    @staticmethod
+    def forward(ctx, x, index, inverse, k):
+        ctx.save_for_backward(inverse)
+        ctx.k = k
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        grad_x = grad.index_select(0, inverse)
+        if ctx.k > 1:
+            grad_x = grad_x.view(-1, ctx.k, grad.shape[-1]).sum(dim=1)  # (N, K, H) → (N, H)
+        return grad_x, None, None, None
+
+
+def gather_copies(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
+    """x (N, H) → x[index] (N·k, H), with `inverse` the inverse permutation of index's copies (see
+    _GatherCopies); equal to x[index] in value and gradient."""
+    return _GatherCopies.apply(x, index, inverse, k)
 
 
 class GroupedExperts(nn.Module):
@@ -104,8 +141,18 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> t
     """Rows of x, grouped by `counts`, times the transposed weight of their group: x_g @ W_gᵀ.
 
     `torch._grouped_mm` does this in one kernel; it needs 16-byte aligned rows and a matching dtype,
-    otherwise the exact per-expert loop runs (`grouped_mm_reference`).
+    otherwise the exact per-expert loop runs (`grouped_mm_reference`). On CPU the loop runs as
+    `_ExpertLoopMM` (the same mms, fewer copies around them).
     """
+    if x.device.type == "cpu" and not torch.compiler.is_compiling():
+        if torch.is_autocast_enabled("cpu"):
+            # Cast the stacked weight once (one (E, O, I) copy, and one cast of its gradient in
+            # backward) instead of autocast casting each expert's slice at each mm, both ways.
+            dtype = torch.get_autocast_dtype("cpu")
+            x, weight = x.to(dtype), weight.to(dtype)
+        elif x.dtype != weight.dtype:
+            return grouped_mm_reference(x, weight, counts)
+        return _ExpertLoopMM.apply(x, weight, counts.tolist())
     if _grouped_mm_ok(x, weight):
         offsets = counts.cumsum(0).to(torch.int32)
         return torch._grouped_mm(x.contiguous(), weight.transpose(-2, -1), offs=offsets)
@@ -118,6 +165,47 @@ def grouped_mm_reference(x: torch.Tensor, weight: torch.Tensor, counts: torch.Te
     # no tokens are skipped — at decode batch sizes most of them.
     outs = [c @ w.t() for c, w, n in zip(x.split(counts), weight, counts, strict=True) if n]
     return torch.cat(outs) if outs else x.new_zeros(0, weight.shape[-2])
+
+
+class _ExpertLoopMM(torch.autograd.Function):
+    """grouped_mm_reference's per-expert mms, each writing straight into its rows of one output (and,
+    in backward, into its slice of the stacked weight gradient): autograd's version pays a cat of the
+    outputs, a cat of the split input gradients and a stack of the per-expert weight gradients.
+    x (S, I) sorted by expert, weight (E, O, I), counts: python ints summing to S → (S, O)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, counts):
+        x = x.contiguous()
+        ctx.save_for_backward(x, weight)
+        ctx.counts = counts
+        out = x.new_empty(x.shape[0], weight.shape[1])
+        with torch.autocast("cpu", enabled=False):  # out= is refused under autocast
+            for rows, w in _expert_rows(counts, weight):
+                torch.mm(x[rows], w.t(), out=out[rows])
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.empty_like(x)
+            for rows, w in _expert_rows(ctx.counts, weight):
+                torch.mm(grad[rows], w, out=grad_x[rows])  # (n, O) @ (O, I)
+        if ctx.needs_input_grad[1]:
+            grad_w = torch.empty_like(weight)
+            for e, (rows, _) in enumerate(_expert_rows(ctx.counts, weight, skip_empty=False)):
+                torch.mm(grad[rows].t(), x[rows], out=grad_w[e])  # (O, n) @ (n, I); zeros when n = 0
+        return grad_x, grad_w, None
+
+
+def _expert_rows(counts, weight, skip_empty=True):
+    start = 0
+    for n, w in zip(counts, weight, strict=True):
+        if n or not skip_empty:
+            yield slice(start, start + n), w
+        start += n
 
 
 def _grouped_mm_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -157,7 +245,11 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # (N, H)
-        weights, indices, scores = self.gate(x)
+        weights, indices, scores = self.gate(x)  # from x as it comes: the router runs in fp32
+        if torch.is_autocast_enabled(x.device.type):
+            # Cast the N tokens once, not their N·K copies (autocast would at the first expert mm);
+            # the gather, its gradient and the shared experts' input move half the bytes.
+            x = x.to(torch.get_autocast_dtype(x.device.type))
         routed, counts, state = self.dispatcher.dispatch(x, indices, self.cfg.n_routed_experts)
         # An all-to-all dispatcher returns with the exchange in flight: the shared experts run in
         # that window, and (being recorded between dispatch and wait) again in backward's.

@@ -10,7 +10,6 @@ Embedding and head are shared with the main model (the paper's design; HF checkp
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from seekforge.config import ModelConfig
@@ -45,11 +44,13 @@ def mtp_losses(model, h, input_ids, labels, cos, sin, mask=None, ignore_index: i
     Positions whose target falls past the window are ignored; with packed documents, the segment mask
     keeps the block causal within a document, and targets from another document are masked by the
     caller's labels (−100 at document ends)."""
+    from seekforge.train.loss import cross_entropy  # train/loss.py imports this module
+
     losses = []
     for k, module in enumerate(model.mtp, start=1):
         next_ids = shift_left(input_ids, k, 0)
         h = module(h, model.embed_tokens(next_ids), cos, sin, mask)
         logits = model.lm_head(module.norm(h))
         target = shift_left(labels, k, ignore_index)
-        losses.append(F.cross_entropy(logits.flatten(0, 1).float(), target.flatten(), ignore_index=ignore_index))
+        losses.append(cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index))
     return losses

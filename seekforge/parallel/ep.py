@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from seekforge.model.moe import MoE
+from seekforge.model.moe import MoE, weighted_sum
 
 
 class _InFlight:
@@ -125,7 +125,7 @@ class AllToAllDispatcher:
         y = all_to_all(y, back)  # (S, H) in this rank's sorted order
         n, k = weights.shape
         unsorted = torch.empty_like(y).index_copy(0, order, y).view(n, k, -1)  # (N, K, H)
-        return torch.einsum("nkh,nk->nh", unsorted, weights.to(y.dtype))
+        return weighted_sum(unsorted, weights)  # the same sum as LocalDispatcher.combine
 
 
 def apply_ep(model: torch.nn.Module, ep_mesh: DeviceMesh) -> None:
