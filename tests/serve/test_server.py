@@ -145,12 +145,7 @@ def test_disconnect_aborts_and_frees_blocks(live_server):
                         break  # got a token: hang up mid-stream
 
     asyncio.run(start_and_drop())
-    deadline = time.monotonic() + 20
-    while engine.has_unfinished() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert engine.num_aborted == aborted + 1
-    assert not engine.has_unfinished()
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert_aborted_and_freed(engine, aborted)
 
 
 def test_metrics(client, live_server):
@@ -183,9 +178,14 @@ def test_non_streaming_disconnect_aborts(live_server):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(live_server.base_url + "/v1/completions", timeout=0.3,
                    json={"model": "tiny", "prompt": "x", "max_tokens": 500, "ignore_eos": True})
+    assert_aborted_and_freed(engine, aborted)
+
+
+def assert_aborted_and_freed(engine, aborted_before: int):
+    """The dropped request was aborted (within 20 s) and every KV block is free again."""
     deadline = time.monotonic() + 20
     while engine.has_unfinished() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert engine.num_aborted == aborted + 1
+    assert engine.num_aborted == aborted_before + 1
     assert not engine.has_unfinished()
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
