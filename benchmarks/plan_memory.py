@@ -1,0 +1,154 @@
+"""`seekforge plan memory` against a measurement: the predicted peak of live tensor bytes per rank vs
+the peak measured (plan/measure.LiveBytes) during a real training step (train/trainer.Trainer: bf16
+autocast over fp32 master weights, AdamW, chunked cross-entropy; pipeline stages through
+PipelineRunner), on one process and on gloo ranks.
+
+    python benchmarks/plan_memory.py [--cases single-dense,fsdp-moe] [--threads 1]
+
+The second training step is measured (the first creates the AdamW states); the peak counts the
+parameters, optimizer states, gradients and every tensor alive during forward, backward and the
+optimizer step. Prints one row per rank class and the relative error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from seekforge.config import ParallelConfig, TrainConfig  # noqa: E402
+from seekforge.plan.memory import MemoryPlan, estimate_memory  # noqa: E402
+
+
+@dataclass
+class Case:
+    name: str
+    model: dict
+    parallel: dict = field(default_factory=dict)
+    recompute: str = "none"
+    micro_batch_size: int = 8  # per data-parallel rank (the whole pipeline batch under pp)
+    seq_len: int = 256
+    dtype: str = "bf16"
+
+
+SMALL4 = dict(num_hidden_layers=4)  # small preset: 1 dense + 3 MoE layers, MTP
+CASES = [
+    Case("single-dense", dict(num_hidden_layers=4, n_routed_experts=0, first_k_dense_replace=4)),
+    Case("single-moe", SMALL4),
+    Case("single-moe-full", SMALL4, recompute="full"),
+    Case("single-moe-selective", SMALL4, recompute="selective"),
+    Case("single-moe-fp32", SMALL4, dtype="fp32", micro_batch_size=4),
+    Case("fsdp2-moe", SMALL4, dict(dp_shard=2), micro_batch_size=4),
+    Case("fsdp2-ep2-moe-full", SMALL4, dict(dp_shard=2, ep=2), recompute="full", micro_batch_size=4),
+    Case("pp2-1f1b", SMALL4, dict(pp=2, pp_schedule="1F1B", microbatches=4)),
+    Case("pp2-zbv", SMALL4, dict(pp=2, pp_schedule="ZBVZeroBubble", microbatches=4)),
+]
+
+
+def train_config(case: Case) -> TrainConfig:
+    return TrainConfig(preset="small", model=case.model, seq_len=case.seq_len, micro_batch_size=case.micro_batch_size,
+                       recompute=case.recompute, dtype=case.dtype, peak_flops=1.0, eval_interval=0,
+                       parallel=case.parallel, out_dir=tempfile.gettempdir())
+
+
+def measure_rank(case: Case, mesh=None) -> int:
+    """Build, train one step, then measure the second step's peak live bytes on this rank."""
+    from seekforge.model.model import build_model
+    from seekforge.parallel.parallelize import parallelize
+    from seekforge.parallel.pp import PipelineRunner
+    from seekforge.plan.measure import LiveBytes, state_tensors
+    from seekforge.train.trainer import Trainer, prepare_model
+
+    cfg = train_config(case)
+    model = build_model(cfg.model_config(), seed=0)
+    pc = cfg.parallel_config()
+    if mesh is None:
+        model = prepare_model(model, cfg)
+    elif pc.pp > 1:
+        model = PipelineRunner(model, pc, mesh)
+    else:
+        model = parallelize(model, pc, mesh)
+    gen = torch.Generator().manual_seed(0)
+    vocab = cfg.model_config().vocab_size
+
+    def loader():
+        while True:
+            tokens = torch.randint(0, vocab, (case.micro_batch_size, case.seq_len + 1), generator=gen)
+            yield {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
+
+    trainer = Trainer(cfg, model, loader(), mesh=mesh)
+    trainer.train_step()
+    tracker = LiveBytes(state_tensors(trainer.modules, trainer.optimizers))
+    with tracker:
+        trainer.train_step()
+    return tracker.peak
+
+
+def _rank_main(rank: int, world: int, tmp: str, case: Case, out: dict) -> None:
+    from seekforge.parallel.mesh import build_mesh
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=600))
+    cfg = train_config(case)
+    mesh = build_mesh(cfg.parallel_config(), cfg.model_config())
+    out[rank] = measure_rank(case, mesh)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def measure(case: Case) -> list[int]:
+    """Measured peak bytes per rank."""
+    pc = ParallelConfig(**case.parallel)
+    if pc.world_size == 1:
+        return [measure_rank(case)]
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_rank_main, args=(pc.world_size, tmp, case, out), nprocs=pc.world_size, join=True)
+        return [out[r] for r in range(pc.world_size)]
+
+
+def predict(case: Case) -> MemoryPlan:
+    cfg = train_config(case)
+    pc = cfg.parallel_config()
+    # The pipeline path (PipelineRunner) runs its stages without autocast: fp32 activations.
+    dtype = "fp32" if pc.pp > 1 else case.dtype
+    return estimate_memory(cfg.model_config(), pc, case.micro_batch_size, case.seq_len, dtype=dtype)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--cases", default=",".join(c.name for c in CASES))
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    chosen = [c for c in CASES if c.name in args.cases.split(",")]
+    print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, torch {torch.__version__}, small preset "
+          f"(4 layers: 1 dense + 3 MoE, MTP), seq 256; peak live tensor bytes of the 2nd training step")
+    print(f"{'case':<22}{'rank':>5}{'predicted MiB':>15}{'measured MiB':>14}{'error':>8}")
+    worst = 0.0
+    for case in chosen:
+        plan = predict(case)
+        for rank, measured in enumerate(measure(case)):
+            predicted = plan.rank_peak(rank)
+            err = predicted / measured - 1
+            worst = max(worst, abs(err))
+            print(f"{case.name:<22}{rank:>5}{predicted / 2**20:>15.1f}{measured / 2**20:>14.1f}{err:>+8.1%}",
+                  flush=True)
+    print(f"largest |error| {worst:.1%}")
+
+
+if __name__ == "__main__":
+    main()

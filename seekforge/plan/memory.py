@@ -1,0 +1,341 @@
+"""Analytic memory dry run: the peak bytes each rank holds during one training step, from configs.
+
+Symbols: B micro-batch, T sequence, N = B·T tokens, H hidden, nh heads, V vocab, I intermediate
+sizes, E routed experts, K experts per token, S = N·K routed copies (× skew on an expert-parallel
+receiver), a = 2 under bf16 autocast, 4 in fp32.
+
+What a step keeps (train/trainer.py, model/*.py, parallel/*.py; tests/plan/test_memory.py measures it):
+  state      fp32 parameters + AdamW's two moments (optimizer_bytes each) — shards of them under FSDP;
+  grads      fp32, appear layer by layer in backward, then live until the optimizer step;
+  copies     bf16 autocast copies of every matmul weight (autocast caches a leaf weight's cast for
+             the whole forward and the backward keeps it; MoE casts its stacked expert weights once
+             per layer) — full, unsharded weights even under FSDP, from forward until that unit's
+             backward;
+  activations what autograd saves, per unit (`_block_saved`), freed by that unit's backward; with
+             pipelining, as many micro-batches as the schedule keeps in flight (plan/schedule.py);
+  workspace  the largest transient of one unit's backward (gradients of its widest tensors) and,
+             under FSDP, the gathered fp32 weights of the group being computed.
+The peak is the largest of: end of forward, any point of the backward sweep (units backward in
+reverse order, each freeing its activations and copies and adding its gradients), the optimizer step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from seekforge.config import ModelConfig, ParallelConfig
+from seekforge.plan import schedule as sched
+from seekforge.plan.shapes import Unit, model_units
+
+GiB = 2**30
+
+
+@dataclass
+class UnitMemory:
+    unit: Unit
+    params: float  # bytes of fp32 parameters on this rank
+    activations: float  # bytes saved for backward, per micro-batch
+    copies: float  # bf16 weight copies kept from forward to backward, per micro-batch pass
+    workspace: float  # transient peak of this unit's backward
+
+
+@dataclass
+class RankMemory:
+    """One class of ranks (all ranks of a pipeline rank are alike)."""
+
+    name: str
+    params: float
+    grads: float
+    optimizer: float
+    activations: float  # peak in-flight activations (all micro-batches the schedule keeps)
+    copies: float
+    workspace: float
+    peak: float
+    peak_phase: str
+
+    def rows(self) -> list[tuple[str, float]]:
+        return [("parameters", self.params), ("gradients", self.grads), ("optimizer states", self.optimizer),
+                ("activations", self.activations), ("bf16 weight copies", self.copies),
+                ("backward workspace", self.workspace), ("peak", self.peak)]
+
+
+@dataclass
+class MemoryPlan:
+    ranks: list[RankMemory]  # one per pipeline rank
+    world_size: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def peak(self) -> float:
+        return max(r.peak for r in self.ranks)
+
+    def rank_peak(self, global_rank: int) -> float:
+        """pp is the outermost mesh dimension (parallel/mesh.py): global ranks are pp-major."""
+        return self.ranks[global_rank // (self.world_size // len(self.ranks))].peak
+
+
+def estimate_memory(cfg: ModelConfig, pc: ParallelConfig, micro_batch_size: int, seq_len: int,
+                    dtype: str = "bf16", optimizer_bytes: int = 4, moe_skew: float = 1.0,
+                    split_points: list[int] | None = None, recompute: str | list[str] | None = None,
+                    flash_attention: bool = False) -> MemoryPlan:
+    """Peak bytes per pipeline rank for one training step.
+
+    micro_batch_size: sequences per data-parallel rank per step (divided into pc.microbatches under pp);
+    dtype: "bf16" (autocast over fp32 master weights) or "fp32"; optimizer_bytes: 4 (fp32 AdamW
+    moments) or 2 (bf16); moe_skew: the busiest expert-parallel rank's received copies over the mean;
+    recompute: overrides pc.recompute (one mode, or one per block: main layers then MTP blocks);
+    flash_attention: the CUDA path (SDPA keeps q, k, v, its output and a log-sum-exp per row) rather
+    than the CPU one (MatmulAttention keeps the (T, T) probabilities)."""
+    if dtype not in ("bf16", "fp32"):
+        raise ValueError(f"dtype={dtype!r}: use 'bf16' (autocast) or 'fp32'")
+    if optimizer_bytes not in (2, 4):
+        raise ValueError(f"optimizer_bytes={optimizer_bytes}: AdamW moments are fp32 (4) or bf16 (2)")
+    recompute = pc.recompute if recompute is None else recompute
+    units = model_units(cfg)
+    blocks = [u for u in units if u.kind in ("dense", "moe", "mtp")]
+    modes = [recompute] * len(blocks) if isinstance(recompute, str) else list(recompute)
+    if len(modes) != len(blocks):
+        raise ValueError(f"recompute lists {len(modes)} modes for {len(blocks)} blocks (main layers, then MTP)")
+    mode_of = {u.layer_id: m for u, m in zip(blocks, modes, strict=True)}
+    microbatches = pc.microbatches if pc.pp > 1 else 1
+    if micro_batch_size % microbatches:
+        raise ValueError(f"micro_batch_size={micro_batch_size} is not divisible by microbatches={microbatches}")
+    shape = UnitBytes(cfg, pc, micro_batch_size // microbatches, seq_len, 2 if dtype == "bf16" else 4, moe_skew,
+                   flash_attention)
+    stages = _stage_units(cfg, pc, units, split_points)
+    per_stage = [[shape.unit(u, mode_of.get(u.layer_id, "none")) for u in stage] for stage in stages]
+    ranks_of = _ranks_of_stages(pc)
+    acts_per_stage = [sum(m.activations for m in s) for s in per_stage]
+    inflight = _inflight_bytes(pc, acts_per_stage, shape)
+
+    ranks = []
+    for rank, stage_ids in enumerate(ranks_of):
+        mems = [m for s in stage_ids for m in per_stage[s]]
+        params = sum(m.params for m in mems)
+        grads = params  # fp32 gradients of this rank's (sharded) parameters
+        optimizer = params / 4 * 2 * optimizer_bytes
+        state = params + optimizer
+        # Under pp, the other in-flight micro-batches stay while one is backwarded: the sweep runs
+        # over one micro-batch's units on top of the rest.
+        one_mb = sum(m.activations for m in mems) / len(stage_ids) if pc.pp > 1 else 0.0
+        others = max(inflight[rank] - one_mb, 0.0) if pc.pp > 1 else 0.0
+        copies = sum(m.copies for m in mems)
+        fsdp_gather = shape.fsdp_gather(mems)
+        # From the second pipeline micro-batch on, every gradient exists while a backward runs (each
+        # new one is summed into it): the later micro-batches' sweeps start from a full set.
+        grads_before = grads if microbatches > 1 else 0.0
+        end_of_forward = state + grads_before + others + sum(m.activations + m.copies for m in mems)
+        peak, phase, live = end_of_forward, "end of forward", end_of_forward
+        for m in reversed(mems):  # the backward sweep, last unit first
+            during = live + m.workspace + fsdp_gather + m.params  # + this unit's new gradients
+            if during > peak:
+                peak, phase = during, f"backward of {m.unit.kind} {m.unit.layer_id}"
+            live += (0.0 if grads_before else m.params) - m.activations - m.copies
+        step = state + grads + shape.optimizer_workspace(params)
+        if step > peak:
+            peak, phase = step, "optimizer step"
+        name = f"pp rank {rank} (stages {', '.join(map(str, stage_ids))})" if pc.pp > 1 else "every rank"
+        ranks.append(RankMemory(name, params, grads, optimizer, max(inflight[rank], one_mb) if pc.pp > 1 else
+                                sum(m.activations for m in mems), copies, max(m.workspace for m in mems),
+                                peak, phase))
+    return MemoryPlan(ranks, pc.world_size, shape.notes)
+
+
+# ------------------------------------------------------------------------------------------ stages
+def _stage_units(cfg: ModelConfig, pc: ParallelConfig, units: list[Unit], split_points) -> list[list[Unit]]:
+    """Units per pipeline stage (parallel/pp.py): embedding on the first, head + MTP (and, when the
+    first stage is elsewhere, a copy of the embedding for MTP) on the last."""
+    if pc.pp == 1:
+        return [units]
+    n = pc.num_stages
+    points = split_points or pc.pp_split_points or [round(i * cfg.num_hidden_layers / n) for i in range(1, n)]
+    bounds = [0, *points, cfg.num_hidden_layers]
+    layers = [u for u in units if u.kind in ("dense", "moe")]
+    stages = [layers[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    embed = units[0]
+    stages[0] = [embed, *stages[0]]
+    tail = [u for u in units if u.kind in ("head", "mtp")]
+    if cfg.num_nextn_predict_layers and pc.stages_per_rank == 1:
+        tail = [Unit("embed", -1, dense_params=embed.dense_params), *tail]  # MTP's copy (pp.py)
+    stages[-1] = [*stages[-1], *tail]
+    return stages
+
+
+def _ranks_of_stages(pc: ParallelConfig) -> list[list[int]]:
+    if pc.pp == 1:
+        return [[0]]
+    if pc.stages_per_rank == 1:
+        return [[r] for r in range(pc.pp)]
+    if pc.pp_schedule in ("ZBVZeroBubble", "DualPipeV"):
+        return [[r, pc.num_stages - 1 - r] for r in range(pc.pp)]
+    return [[r + k * pc.pp for k in range(pc.stages_per_rank)] for r in range(pc.pp)]
+
+
+def _inflight_bytes(pc: ParallelConfig, acts_per_stage: list[float], shape: UnitBytes) -> list[float]:
+    """Per pp rank, the peak activation bytes of the micro-batches the schedule keeps in flight; a
+    stage also keeps each in-flight micro-batch's output (its stage cache) until its backward."""
+    if pc.pp == 1:
+        return [acts_per_stage[0]]
+    kept = [a + shape.stage_output_bytes() for a in acts_per_stage]
+    kept[-1] -= shape.stage_output_bytes()  # the last stage's output is the loss
+    schedule = pc.pp_schedule if pc.pp_schedule in sched.SIMULATED_SCHEDULES else "1F1B"
+    costs = sched.uniform_costs(schedule, pc.pp, 1.0, 1.0, 1.0)
+    result = sched.simulate(schedule, costs, pc.microbatches)
+    return result.rank_peak(kept)
+
+
+# ------------------------------------------------------------------------------------------ shapes
+class UnitBytes:
+    """Bytes of one micro-batch's tensors for each unit kind (see the module docstring)."""
+
+    def __init__(self, cfg: ModelConfig, pc: ParallelConfig, batch: int, seq_len: int, act_bytes: int,
+                 moe_skew: float, flash_attention: bool = False):
+        self.cfg, self.pc, self.b, self.t, self.a = cfg, pc, batch, seq_len, act_bytes
+        self.flash = flash_attention
+        self.n = batch * seq_len
+        self.autocast = act_bytes == 2
+        self.skew = moe_skew if pc.ep > 1 else 1.0
+        self.notes: list[str] = []
+        self.shard = pc.dp_shard  # FSDP shards parameters, gradients and states over dp_shard
+        self.gathered_dtype = 2 if pc.mixed_precision == "bf16" else 4
+
+    def stage_output_bytes(self) -> float:
+        return 4.0 * self.n * self.cfg.hidden_size  # the fp32 residual stream
+
+    def fsdp_gather(self, mems: list[UnitMemory]) -> float:
+        """The unsharded weights of one FSDP group (the largest) while it computes."""
+        if self.shard == 1 and self.pc.dp_replicate == 1:
+            return 0.0
+        largest = max((m.unit.attn_params + m.unit.dense_params) / self.pc.tp + m.unit.expert_params / self.pc.ep
+                       for m in mems)
+        return largest * self.gathered_dtype
+
+    def optimizer_workspace(self, params: float) -> float:
+        return 0.0  # fused AdamW updates in place
+
+    def unit(self, u: Unit, mode: str) -> UnitMemory:
+        tp = self.pc.tp
+        # Experts split over ep ranks, then FSDP-shard over the remaining dp_shard / ep (ep divides
+        # dp_shard): 1/dp_shard of them per rank, like every other weight.
+        params = 4.0 * ((u.attn_params + u.dense_params) / tp + u.expert_params) / self.shard
+        if u.kind == "embed":
+            return UnitMemory(u, params, 8.0 * self.n, 0.0, 4.0 * u.dense_params / tp)
+        if u.kind == "head":
+            return self._head(u, params)
+        return self._block(u, params, mode)
+
+    def _head(self, u: Unit, params: float) -> UnitMemory:
+        cfg, n, a = self.cfg, self.n, self.a
+        h, v = cfg.hidden_size, cfg.vocab_size / self.pc.tp
+        normed = 2.0 * n * h if self.autocast else 4.0 * n * h  # lm_head's input
+        logits = a * n * v  # saved by the chunked cross-entropy (fp32 log-probabilities without autocast)
+        saved = 4.0 * n * h + normed + logits + 16.0 * n
+        copies = 2.0 * v * h if self.autocast else 0.0
+        # backward: the logits' gradient, then the head's weight gradient in bf16 and its fp32 cast
+        workspace = a * n * v + (2.0 * v * h if self.autocast else 0.0)
+        return UnitMemory(u, params, saved, copies, workspace)
+
+    def _block(self, u: Unit, params: float, mode: str) -> UnitMemory:
+        cfg, n, a = self.cfg, self.n, self.a
+        h, tp = cfg.hidden_size, self.pc.tp
+        nh = cfg.num_attention_heads / tp
+        residual = 4.0 * n * h
+        # Each RMSNorm output feeds two linears: autocast casts it twice (each cast saved), fp32 saves it once.
+        norm_out = 2 * 2.0 * n * h if self.autocast else 4.0 * n * h
+        if u.kind == "mtp":
+            # eh_proj's input [enorm(emb); hnorm(h)] (the embedding lookup is saved by enorm), and a
+            # block whose residual is eh_proj's (bf16) output: its norms save an fp32 copy and the normed
+            # bf16 input, 2NH more each than the fp32-residual blocks, and its head call.
+            extra = 4.0 * n * h + (2.0 * n * 2 * h if self.autocast else 8.0 * n * h)
+            extra += 2 * 2.0 * n * h if self.autocast else 0.0
+            extra += (4.0 + 2.0) * n * h + self.a * n * cfg.vocab_size / tp + 16.0 * n if self.autocast else \
+                4.0 * n * h + self.a * n * cfg.vocab_size / tp + 16.0 * n
+        else:
+            extra = 0.0
+        attn = self._attention_core(nh)
+        q_lora = 8.0 * n * cfg.q_lora_rank if cfg.q_lora_rank else 0.0
+        r = cfg.kv_lora_rank
+        kv = 8.0 * n * r if self.autocast else 4.0 * n * (r + cfg.qk_rope_head_dim) + 4.0 * n * r
+        attention = residual + norm_out + q_lora + kv + attn
+        moe = u.expert_params > 0
+        if moe:
+            mlp, experts_saved, experts_internal, expert_copies = self._moe(u)
+        else:
+            inter = cfg.intermediate_size / tp
+            mlp = residual + norm_out + 4 * a * n * inter
+            experts_saved = experts_internal = expert_copies = 0.0
+        copies = 2.0 * (u.attn_params + u.dense_params) / tp if self.autocast else 0.0
+        copies += expert_copies
+        if mode == "full":
+            saved = residual + (extra if u.kind == "mtp" else 0.0)  # the block input only
+            recompute_peak = attention + mlp + experts_saved + experts_internal
+            workspace = recompute_peak + self._backward_workspace(u, nh) + copies
+            return UnitMemory(u, params, saved, 0.0, workspace)
+        if mode == "selective":
+            attention = residual + (4.0 * n * h)  # the wrapper keeps the attention's (fp32) normed input
+            saved = attention + mlp + experts_saved + extra
+            copies = (2.0 * u.dense_params / tp if self.autocast else 0.0)
+            workspace = self._backward_workspace(u, nh) + attn + experts_internal + expert_copies
+            workspace += 2.0 * u.attn_params / tp if self.autocast else 0.0
+            return UnitMemory(u, params, saved, copies, workspace)
+        saved = attention + mlp + experts_saved + experts_internal + extra
+        return UnitMemory(u, params, saved, copies, self._backward_workspace(u, nh))
+
+    def _attention_core(self, nh: float) -> float:
+        """MatmulAttention saves the scaled q, k, v and the probabilities; o_proj its (B, T, nh·dv) input.
+        SDPA (flash) saves q and k (the cat outputs), kv_b_proj's output (v is a view of it), its own
+        output and a log-sum-exp per row and head."""
+        cfg, n, a = self.cfg, self.n, self.a
+        if self.flash:
+            kv_b_out = a * n * nh * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+            return a * n * nh * 2 * cfg.qk_head_dim + kv_b_out + 2 * a * n * nh * cfg.v_head_dim + 4.0 * n * nh
+        qkv = a * n * nh * (2 * cfg.qk_head_dim + cfg.v_head_dim)
+        probs = a * self.b * nh * self.t * self.t
+        return qkv + probs + a * n * nh * cfg.v_head_dim
+
+    def _moe(self, u: Unit) -> tuple[float, float, float, float]:
+        """(saved outside the routed experts, saved at the experts' inputs and the combine,
+        saved inside the experts, bf16 expert weight copies)."""
+        cfg, n, a, tp = self.cfg, self.n, self.a, self.pc.tp
+        h, e, k = cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok
+        s = n * k
+        received = s * self.skew
+        inter = cfg.moe_intermediate_size / tp
+        shared_inter = cfg.n_shared_experts * cfg.moe_intermediate_size / tp
+        residual = 4.0 * n * h
+        if self.autocast:  # the router's cast input, and x cast once for the shared experts and dispatch
+            inputs = 2.0 * n * h + 2.0 * n * h
+        else:
+            inputs = 4.0 * n * h
+        router = a * n * e + 8.0 * n * k + 2 * a * n * k
+        shared = 4 * a * n * shared_inter
+        dispatch = 8.0 * s * 2  # the sort order and its inverse (int64)
+        outside = residual + inputs + router + shared + dispatch
+        at_experts = a * received * h + a * s * h  # expert input copies; the unsorted outputs in combine
+        inside = a * received * (2 * inter + inter + inter)  # gate_up output, silu output, the product
+        copies = 2.0 * u.expert_params / self.pc.ep if self.autocast else 0.0
+        if self.pc.ep > 1:
+            at_experts += a * s * h  # the all-to-all's received buffer before regrouping by expert
+        return outside, at_experts, inside, copies
+
+    def _backward_workspace(self, u: Unit, nh: float) -> float:
+        """The widest transients of a block's backward: the attention scores' two gradients, or the
+        experts' weight gradient in bf16 plus its fp32 cast; whichever is larger."""
+        a = self.a
+        scores = 0.0 if self.flash else 2 * a * self.b * nh * self.t * self.t
+        experts = 0.0
+        if u.expert_params:
+            per_proj = u.expert_params / self.pc.ep * 2 / 3  # gate_up is 2 of the 3 expert matrices
+            experts = per_proj * (2.0 if self.autocast else 0.0) + 4.0 * per_proj
+        return max(scores, experts)
+
+
+def format_plan(plan: MemoryPlan) -> str:
+    """A table: one column per rank class, rows in GiB."""
+    header = f"{'':<22}" + "".join(f"{r.name:>30}" for r in plan.ranks)
+    lines = [header]
+    for i, (label, _) in enumerate(plan.ranks[0].rows()):
+        lines.append(f"{label:<22}" + "".join(f"{r.rows()[i][1] / GiB:>26.2f} GiB" for r in plan.ranks))
+    lines.append(f"{'peak when':<22}" + "".join(f"{r.peak_phase:>30}" for r in plan.ranks))
+    lines += plan.notes
+    return "\n".join(lines)
