@@ -19,6 +19,7 @@ VERBS = {
     "convert": ("seekforge.train.convert", "convert between seekforge checkpoints and HF format"),
     "serve": ("seekforge.serve.server", "serve a model behind an OpenAI-compatible HTTP API"),
     "bench": ("seekforge.serve.bench", "benchmark a running server (`seekforge bench serve`)"),
+    "plan": ("seekforge.plan.cli", "plan a training job: memory, pipeline schedules, stage balance, layout search"),
 }
 
 

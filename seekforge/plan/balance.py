@@ -120,8 +120,7 @@ def analytic_costs(cfg: ModelConfig, pc: ParallelConfig, micro_batch_size: int, 
 def inflight_per_stage(pc: ParallelConfig) -> list[int]:
     """Micro-batches each stage holds at its peak under pc's schedule (equal stage costs)."""
     name = pc.pp_schedule if pc.pp_schedule in sched.SIMULATED_SCHEDULES else "1F1B"
-    result = sched.simulate(name, sched.uniform_costs(name, pc.pp, 1.0, 1.0, 1.0), pc.microbatches)
-    return result.peak_inflight
+    return list(sched.simulate_uniform(name, pc.pp, pc.microbatches).peak_inflight)
 
 
 def _stage_tables(costs: LayerCosts, num_stages: int, inflight: list[int]):

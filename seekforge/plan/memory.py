@@ -100,7 +100,8 @@ def estimate_memory(cfg: ModelConfig, pc: ParallelConfig, micro_batch_size: int,
     microbatches = pc.microbatches if pc.pp > 1 else 1
     if micro_batch_size % microbatches:
         raise ValueError(f"micro_batch_size={micro_batch_size} is not divisible by microbatches={microbatches}")
-    shape = UnitBytes(cfg, pc, micro_batch_size // microbatches, seq_len, 2 if dtype == "bf16" else 4, moe_skew,
+    bf16 = dtype == "bf16" or pc.mixed_precision == "bf16"
+    shape = UnitBytes(cfg, pc, micro_batch_size // microbatches, seq_len, 2 if bf16 else 4, moe_skew,
                    flash_attention)
     stages = _stage_units(cfg, pc, units, split_points)
     per_stage = [[shape.unit(u, mode_of.get(u.layer_id, "none")) for u in stage] for stage in stages]
@@ -179,9 +180,7 @@ def _inflight_bytes(pc: ParallelConfig, acts_per_stage: list[float], shape: Unit
     kept = [a + shape.stage_output_bytes() for a in acts_per_stage]
     kept[-1] -= shape.stage_output_bytes()  # the last stage's output is the loss
     schedule = pc.pp_schedule if pc.pp_schedule in sched.SIMULATED_SCHEDULES else "1F1B"
-    costs = sched.uniform_costs(schedule, pc.pp, 1.0, 1.0, 1.0)
-    result = sched.simulate(schedule, costs, pc.microbatches)
-    return result.rank_peak(kept)
+    return sched.simulate_uniform(schedule, pc.pp, pc.microbatches).rank_peak(kept)
 
 
 # ------------------------------------------------------------------------------------------ shapes
@@ -194,6 +193,10 @@ class UnitBytes:
         self.flash = flash_attention
         self.n = batch * seq_len
         self.autocast = act_bytes == 2
+        # Autocast keeps a bf16 copy of each fp32 weight from forward to backward; FSDP's bf16
+        # mixed precision computes on bf16 weights it gathers and frees again (storage resize), so
+        # nothing stays (parallel/fsdp.py).
+        self.keeps_copies = self.autocast and pc.mixed_precision == "fp32"
         self.skew = moe_skew if pc.ep > 1 else 1.0
         self.notes: list[str] = []
         self.shard = pc.dp_shard  # FSDP shards parameters, gradients and states over dp_shard
@@ -230,7 +233,7 @@ class UnitBytes:
         normed = 2.0 * n * h if self.autocast else 4.0 * n * h  # lm_head's input
         logits = a * n * v  # saved by the chunked cross-entropy (fp32 log-probabilities without autocast)
         saved = 4.0 * n * h + normed + logits + 16.0 * n
-        copies = 2.0 * v * h if self.autocast else 0.0
+        copies = 2.0 * v * h if self.keeps_copies else 0.0
         # backward: the logits' gradient, then the head's weight gradient in bf16 and its fp32 cast
         workspace = a * n * v + (2.0 * v * h if self.autocast else 0.0)
         return UnitMemory(u, params, saved, copies, workspace)
@@ -264,7 +267,7 @@ class UnitBytes:
             inter = cfg.intermediate_size / tp
             mlp = residual + norm_out + 4 * a * n * inter
             experts_saved = experts_internal = expert_copies = 0.0
-        copies = 2.0 * (u.attn_params + u.dense_params) / tp if self.autocast else 0.0
+        copies = 2.0 * (u.attn_params + u.dense_params) / tp if self.keeps_copies else 0.0
         copies += expert_copies
         if mode == "full":
             saved = residual + (extra if u.kind == "mtp" else 0.0)  # the block input only
@@ -274,9 +277,9 @@ class UnitBytes:
         if mode == "selective":
             attention = residual + (4.0 * n * h)  # the wrapper keeps the attention's (fp32) normed input
             saved = attention + mlp + experts_saved + extra
-            copies = (2.0 * u.dense_params / tp if self.autocast else 0.0)
+            copies = 2.0 * u.dense_params / tp if self.keeps_copies else 0.0
             workspace = self._backward_workspace(u, nh) + attn + experts_internal + expert_copies
-            workspace += 2.0 * u.attn_params / tp if self.autocast else 0.0
+            workspace += 2.0 * u.attn_params / tp if self.keeps_copies else 0.0
             return UnitMemory(u, params, saved, copies, workspace)
         saved = attention + mlp + experts_saved + experts_internal + extra
         return UnitMemory(u, params, saved, copies, self._backward_workspace(u, nh))
@@ -313,7 +316,7 @@ class UnitBytes:
         outside = residual + inputs + router + shared + dispatch
         at_experts = a * received * h + a * s * h  # expert input copies; the unsorted outputs in combine
         inside = a * received * (2 * inter + inter + inter)  # gate_up output, silu output, the product
-        copies = 2.0 * u.expert_params / self.pc.ep if self.autocast else 0.0
+        copies = 2.0 * u.expert_params / self.pc.ep if self.keeps_copies else 0.0
         if self.pc.ep > 1:
             at_experts += a * s * h  # the all-to-all's received buffer before regrouping by expert
         return outside, at_experts, inside, copies
@@ -331,11 +334,13 @@ class UnitBytes:
 
 
 def format_plan(plan: MemoryPlan) -> str:
-    """A table: one column per rank class, rows in GiB."""
-    header = f"{'':<22}" + "".join(f"{r.name:>30}" for r in plan.ranks)
-    lines = [header]
-    for i, (label, _) in enumerate(plan.ranks[0].rows()):
-        lines.append(f"{label:<22}" + "".join(f"{r.rows()[i][1] / GiB:>26.2f} GiB" for r in plan.ranks))
-    lines.append(f"{'peak when':<22}" + "".join(f"{r.peak_phase:>30}" for r in plan.ranks))
-    lines += plan.notes
-    return "\n".join(lines)
+    """A table, one row per rank class, in GiB."""
+    labels = [label for label, _ in plan.ranks[0].rows()]
+    width = max(len(r.name) for r in plan.ranks)
+    short = {"parameters": "params", "gradients": "grads", "optimizer states": "optim", "activations": "activ",
+             "bf16 weight copies": "copies", "backward workspace": "workspace", "peak": "peak"}
+    lines = [f"{'GiB':<{width}}" + "".join(f"{short[label]:>10}" for label in labels) + "  peak when"]
+    for r in plan.ranks:
+        lines.append(f"{r.name:<{width}}" + "".join(f"{value / GiB:>10.2f}" for _, value in r.rows())
+                     + f"  {r.peak_phase}")
+    return "\n".join(lines + plan.notes)

@@ -19,6 +19,7 @@ stages per rank).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from types import SimpleNamespace
 
 from torch.distributed.pipelining import schedules as torch_schedules
@@ -63,22 +64,29 @@ class SimResult:
     peak_inflight: list[int]  # per stage: micro-batches holding activations at once
     stage_to_rank: list[int]
     events: list[Event]
+    _deltas: list[tuple[int, int]] | None = None
 
     def rank_peak(self, bytes_per_microbatch: list[float]) -> list[float]:
         """Per rank, the peak of Σ over its stages of (live micro-batches × that stage's bytes)."""
-        ranks = max(self.stage_to_rank) + 1
-        deltas = []
-        for e in self.events:
-            a = e.action
-            if a.kind == _F:
-                deltas.append((e.start, 1, self.stage_to_rank[a.stage], bytes_per_microbatch[a.stage]))
-            elif a.kind in (_I, _B):  # frees at the end; a free sorts before an alloc at the same time
-                deltas.append((e.end, 0, self.stage_to_rank[a.stage], -bytes_per_microbatch[a.stage]))
-        live, peak = [0.0] * ranks, [0.0] * ranks
-        for _, _, rank, delta in sorted(deltas, key=lambda d: (d[0], d[1])):
-            live[rank] += delta
+        live, peak = [0.0] * (max(self.stage_to_rank) + 1), [0.0] * (max(self.stage_to_rank) + 1)
+        for stage, sign in self._activation_deltas():
+            rank = self.stage_to_rank[stage]
+            live[rank] += sign * bytes_per_microbatch[stage]
             peak[rank] = max(peak[rank], live[rank])
         return peak
+
+    def _activation_deltas(self) -> list[tuple[int, int]]:
+        """(stage, +1 | -1) in time order: a forward's start holds a micro-batch's activations, the end
+        of its input-gradient (or full) backward frees them; at equal times the free comes first."""
+        if self._deltas is None:
+            deltas = []
+            for e in self.events:
+                if e.action.kind == _F:
+                    deltas.append((e.start, 1, e.action.stage, 1))
+                elif e.action.kind in (_I, _B):
+                    deltas.append((e.end, 0, e.action.stage, -1))
+            self._deltas = [(stage, sign) for _, _, stage, sign in sorted(deltas)]
+        return self._deltas
 
 
 def stages_per_rank(schedule: str) -> int:
@@ -196,9 +204,11 @@ def simulate(schedule: str, costs: list[StageCost], microbatches: int, p2p_laten
         idle.append((max(e.end for e in mine) - min(e.start for e in mine) - busy, busy))
     bubble, busy = max(idle)
     result = SimResult(schedule, max(free_at), bubble, bubble / busy if busy else 0.0, [], stage_to_rank, events)
-    for stage in range(len(costs)):
-        ones = [1.0 if s == stage else 0.0 for s in range(len(costs))]
-        result.peak_inflight.append(round(result.rank_peak(ones)[stage_to_rank[stage]]))
+    live = [0] * len(costs)
+    result.peak_inflight = [0] * len(costs)
+    for stage, sign in result._activation_deltas():
+        live[stage] += sign
+        result.peak_inflight[stage] = max(result.peak_inflight[stage], live[stage])
     return result
 
 
@@ -235,3 +245,10 @@ def uniform_costs(schedule: str, pp: int, forward: float, backward_input: float,
     """The same cost on every stage; for V/interleaved schedules each stage is one of a rank's chunks."""
     return [StageCost(forward, backward_input, backward_weight, recompute)] * (pp * stages_per_rank(schedule))
 
+
+
+@lru_cache(maxsize=1024)
+def simulate_uniform(schedule: str, pp: int, microbatches: int) -> SimResult:
+    """simulate() with F = B = W = 1 on every stage, cached: the memory estimate and the strategy
+    search ask for the same few (schedule, pp, microbatches) again and again. Do not mutate the result."""
+    return simulate(schedule, uniform_costs(schedule, pp, 1.0, 1.0, 1.0), microbatches)

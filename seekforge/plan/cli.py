@@ -1,0 +1,180 @@
+"""`seekforge plan memory|schedule|balance|search`: planning from configs, no hardware needed.
+
+    seekforge plan memory --preset small --parallel dp_shard=2 --micro-batch-size 8 --seq-len 256
+    seekforge plan schedule --schedule ZBVZeroBubble --pp 4 --microbatches 8 --png zbv.png
+    seekforge plan balance --preset v3-671b --pp 16
+    seekforge plan search --preset v3-671b --devices 2048 --device-memory 80GB
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from seekforge.config import PRESETS, ModelConfig, ParallelConfig, parse_bytes, preset
+
+GiB = 2**30
+
+
+def add_arguments(p):
+    sub = p.add_subparsers(dest="what", required=True, metavar="{memory,schedule,balance,search}")
+    memory = sub.add_parser("memory", help="peak memory per rank class of one training step")
+    _model_args(memory)
+    memory.add_argument("--parallel", default="", metavar="KEY=VALUE,...", help="ParallelConfig keys, as pretrain")
+    memory.add_argument("--micro-batch-size", type=int, default=1, help="sequences per data-parallel rank per step")
+    memory.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    memory.add_argument("--optimizer-dtype", choices=("fp32", "bf16"), default="fp32", help="AdamW moments")
+    memory.add_argument("--moe-skew", type=float, default=1.0,
+                        help="busiest expert-parallel rank's routed tokens over the mean")
+    memory.add_argument("--flash-attention", action="store_true",
+                        help="count the CUDA SDPA path (no T x T probabilities kept) instead of the CPU one")
+
+    schedule = sub.add_parser("schedule", help="simulate a pipeline schedule")
+    schedule.add_argument("--schedule", default="1F1B", help="GPipe, 1F1B, Interleaved1F1B, ZB-H1, "
+                          "InterleavedZeroBubble, ZBVZeroBubble, DualPipeV")
+    schedule.add_argument("--pp", type=int, default=4, help="pipeline ranks")
+    schedule.add_argument("--microbatches", type=int, default=8)
+    schedule.add_argument("--forward", type=float, default=1.0, help="F time per stage")
+    schedule.add_argument("--backward-input", type=float, default=1.0, help="B (input gradient) time per stage")
+    schedule.add_argument("--backward-weight", type=float, default=1.0, help="W (weight gradient) time per stage")
+    schedule.add_argument("--recompute", type=float, default=0.0, help="recompute time added before B")
+    schedule.add_argument("--p2p-latency", type=float, default=0.0)
+    schedule.add_argument("--png", help="write the timeline picture here")
+
+    balance = sub.add_parser("balance", help="layers and recompute per pipeline stage (SAPP-style)")
+    _model_args(balance)
+    balance.add_argument("--pp", type=int, required=True)
+    balance.add_argument("--schedule", default="1F1B")
+    balance.add_argument("--microbatches", type=int, default=0, help="default: 2 x pp")
+    balance.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-batch")
+    balance.add_argument("--parallel", default="", metavar="KEY=VALUE,...",
+                         help="the other dimensions (dp_shard, ep, tp)")
+    balance.add_argument("--device-memory", default="80GB")
+    balance.add_argument("--flops", type=float, default=400e12, help="achievable FLOP/s per device")
+
+    search = sub.add_parser("search", help="rank parallel layouts for a cluster")
+    _model_args(search)
+    search.add_argument("--devices", type=int, required=True)
+    search.add_argument("--device-memory", default="80GB")
+    search.add_argument("--devices-per-node", type=int, default=8)
+    search.add_argument("--flops", type=float, default=400e12, help="achievable FLOP/s per device")
+    search.add_argument("--intra-node-bandwidth", type=float, default=150e9, help="bytes/s")
+    search.add_argument("--inter-node-bandwidth", type=float, default=50e9, help="bytes/s")
+    search.add_argument("--global-batch", type=int, default=1024, help="sequences per step")
+    search.add_argument("--top", type=int, default=10)
+
+
+def _model_args(p):
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--preset", choices=sorted(PRESETS), default="v3-671b")
+    src.add_argument("--config", help="a config.json, or a checkpoint directory holding one")
+    p.add_argument("--seq-len", type=int, default=4096)
+
+
+def _model(args) -> ModelConfig:
+    return ModelConfig.from_hf(Path(args.config)) if args.config else preset(args.preset)
+
+
+def _parallel(spec: str, **overrides) -> ParallelConfig:
+    import yaml
+
+    values = {}
+    for item in filter(None, _split(spec)):
+        key, eq, text = item.partition("=")
+        if not eq:
+            raise ValueError(f"--parallel {spec!r}: {item!r} is not key=value; write e.g. dp_shard=8,ep=8")
+        values[key.strip()] = yaml.safe_load(text)
+    return ParallelConfig(**{**values, **overrides})
+
+
+def _split(spec: str) -> list[str]:
+    import re
+
+    return re.split(r",(?![^\[]*\])", spec)
+
+
+def run(args):
+    {"memory": _memory, "schedule": _schedule, "balance": _balance, "search": _search}[args.what](args)
+
+
+def _memory(args):
+    from seekforge.plan.memory import estimate_memory, format_plan
+
+    cfg, pc = _model(args), _parallel(args.parallel)
+    plan = estimate_memory(cfg, pc, args.micro_batch_size, args.seq_len, args.dtype,
+                           4 if args.optimizer_dtype == "fp32" else 2, args.moe_skew,
+                           flash_attention=args.flash_attention)
+    print(f"{pc.world_size} ranks, {args.micro_batch_size} x {args.seq_len} tokens per data-parallel rank, "
+          f"{args.dtype}, recompute={pc.recompute}")
+    print(format_plan(plan))
+    print(f"peak {plan.peak / GiB:.2f} GiB")
+
+
+def _schedule(args):
+    from seekforge.plan import schedule as sched
+
+    costs = sched.uniform_costs(args.schedule, args.pp, args.forward, args.backward_input, args.backward_weight,
+                                args.recompute)
+    result = sched.simulate(args.schedule, costs, args.microbatches, args.p2p_latency)
+    print(f"{args.schedule}: {args.pp} ranks, {len(costs)} stages, {args.microbatches} micro-batches")
+    print(f"step time {result.step_time:.4g}, bubble {result.bubble_time:.4g} ({result.bubble_ratio:.1%} of a "
+          f"rank's compute)")
+    print("peak in-flight micro-batches per stage: " + " ".join(map(str, result.peak_inflight)))
+    if args.png:
+        sched.draw_timeline(result, args.png)
+        print(f"timeline written to {args.png}")
+
+
+def _balance(args):
+    from seekforge.plan.balance import (
+        MODES,
+        analytic_costs,
+        balance_stages,
+        even_split,
+        inflight_per_stage,
+        simulated_step,
+    )
+
+    cfg = _model(args)
+    microbatches = args.microbatches or 2 * args.pp
+    pc = _parallel(args.parallel, pp=args.pp, pp_schedule=args.schedule, microbatches=microbatches,
+                   mixed_precision="bf16")
+    limit = parse_bytes(args.device_memory) / pc.stages_per_rank
+    costs = analytic_costs(cfg, pc, args.micro_batch_size, args.seq_len, args.flops)
+    inflight = inflight_per_stage(pc)
+    best = balance_stages(costs, pc.num_stages, microbatches, limit, inflight)
+    evens = [e for e in (even_split(costs, pc.num_stages, microbatches, m, inflight) for m in MODES)
+             if max(e.stage_memory) <= limit]
+    print(f"{cfg.num_hidden_layers} layers over {pc.num_stages} stages ({pc.pp_schedule}), {microbatches} "
+          f"micro-batches of {args.micro_batch_size} x {args.seq_len}, {limit / GiB:.1f} GiB per stage")
+    print(f"{'stage':>5} {'layers':>9} {'recompute':>10} {'time s':>9} {'memory GiB':>11}")
+    bounds = [0, *best.split_points, cfg.num_hidden_layers]
+    for s in range(pc.num_stages):
+        print(f"{s:>5} {f'{bounds[s]}-{bounds[s + 1] - 1}':>9} {best.recompute[s]:>10} {best.stage_times[s]:>9.4f} "
+              f"{best.stage_memory[s] / GiB:>11.2f}")
+    sim = simulated_step(costs, best, args.schedule, args.pp, microbatches)
+    print(f"step (1F1B model) {best.step_time:.3f} s, simulated {args.schedule} {sim:.3f} s")
+    if evens:
+        even = min(evens, key=lambda e: e.step_time)
+        even_sim = simulated_step(costs, even, args.schedule, args.pp, microbatches)
+        print(f"even split with recompute={even.recompute[0]}: {even.step_time:.3f} s (simulated {even_sim:.3f} s); "
+              f"balanced is {even_sim / sim - 1:+.1%} faster in simulation")
+    else:
+        print("no even split fits, whatever the recompute mode")
+    print(f"--parallel {best.parallel_arg(cfg, pc)}")
+
+
+def _search(args):
+    from seekforge.plan.search import Cluster, search, why_nothing_fits
+
+    cfg = _model(args)
+    cluster = Cluster(args.devices, parse_bytes(args.device_memory), args.flops, args.devices_per_node,
+                      args.intra_node_bandwidth, args.inter_node_bandwidth)
+    result = search(cfg, cluster, args.global_batch, args.seq_len, top=args.top)
+    if not result.plans:
+        raise ValueError(why_nothing_fits(result, cluster))
+    print(f"{result.considered} layouts considered for {args.devices} devices x {args.device_memory}; "
+          f"global batch {args.global_batch} x {args.seq_len} tokens")
+    print(f"{'#':>2} {'tokens/s':>11} {'step s':>7} {'peak GiB':>9} {'bubble':>7} {'mbs':>4}  --parallel")
+    for i, p in enumerate(result.plans, 1):
+        print(f"{i:>2} {p.tokens_per_second:>11,.0f} {p.step_time:>7.2f} {p.peak_memory / GiB:>9.1f} "
+              f"{p.bubble_ratio:>7.1%} {p.micro_batch_size:>4}  {p.parallel_arg()}")
