@@ -1,0 +1,34 @@
+"""`seekforge plan ...` end to end through the CLI entry point."""
+
+import pytest
+
+from seekforge.cli import main
+
+
+def test_plan_memory_table(capsys):
+    main(["plan", "memory", "--preset", "small", "--parallel", "pp=2,microbatches=4", "--micro-batch-size", "8",
+          "--seq-len", "256", "--dtype", "fp32"])
+    out = capsys.readouterr().out
+    assert "pp rank 0 (stages 0)" in out and "pp rank 1 (stages 1)" in out and "peak" in out
+
+
+def test_plan_schedule_writes_the_timeline(capsys, tmp_path):
+    main(["plan", "schedule", "--schedule", "ZBVZeroBubble", "--pp", "2", "--microbatches", "4",
+          "--png", str(tmp_path / "zbv.png")])
+    assert "bubble 0" in capsys.readouterr().out
+    assert (tmp_path / "zbv.png").exists()
+
+
+def test_plan_balance_prints_a_parallel_argument(capsys):
+    main(["plan", "balance", "--preset", "small", "--pp", "2", "--seq-len", "256", "--micro-batch-size", "2",
+          "--flops", "1e12"])
+    out = capsys.readouterr().out
+    assert "--parallel pp=2,pp_schedule=1F1B,microbatches=4,pp_split_points=[" in out
+
+
+def test_plan_search_impossible_cluster_is_a_clean_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "search", "--preset", "v3-671b", "--devices", "8", "--device-memory", "80GB",
+              "--global-batch", "64"])
+    assert exit_info.value.code == 2
+    assert "no layout of 8 devices fits" in capsys.readouterr().err

@@ -1,0 +1,95 @@
+"""The memory dry run: measured against live tensor bytes of a real training step on one process
+(fast), on gloo ranks (slow, benchmarks/plan_memory.py), and its sharding arithmetic."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from seekforge.config import ParallelConfig, TrainConfig, preset
+from seekforge.model.model import build_model
+from seekforge.plan.measure import LiveBytes, state_tensors
+from seekforge.plan.memory import estimate_memory
+from seekforge.train.trainer import Trainer, prepare_model
+
+TOLERANCE = 0.10  # the issue's bar: predicted peak within 10% of the measured one
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def measured_peak(cfg: TrainConfig) -> int:
+    model = prepare_model(build_model(cfg.model_config(), seed=0), cfg)
+    gen = torch.Generator().manual_seed(0)
+
+    def batches():
+        while True:
+            tokens = torch.randint(0, cfg.model_config().vocab_size, (cfg.micro_batch_size, cfg.seq_len + 1),
+                                   generator=gen)
+            yield {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
+
+    trainer = Trainer(cfg, model, batches(), out_dir="/tmp/unused")
+    trainer.train_step()  # creates the AdamW states
+    tracker = LiveBytes(state_tensors(trainer.modules, trainer.optimizers))
+    with tracker:
+        trainer.train_step()
+    return tracker.peak
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_single_device_peak_within_ten_percent(recompute):
+    torch.set_num_threads(1)
+    cfg = TrainConfig(preset="small", model=dict(num_hidden_layers=2), seq_len=128, micro_batch_size=2,
+                      recompute=recompute, peak_flops=1.0, eval_interval=0)
+    plan = estimate_memory(cfg.model_config(), ParallelConfig(), cfg.micro_batch_size, cfg.seq_len, "bf16",
+                           recompute=recompute)
+    measured = measured_peak(cfg)
+    assert plan.peak == pytest.approx(measured, rel=TOLERANCE)
+
+
+def test_live_bytes_counts_storages_once_and_frees():
+    with LiveBytes() as m:
+        a = torch.ones(1000)  # 4000 bytes
+        view = a[10:]  # same storage
+        b = a * 2
+        del b
+        c = torch.ones(10)
+    assert m.peak == 8000 and m.live == 4040
+    del view, c
+
+
+def test_fsdp_shards_state_but_not_activations():
+    cfg = preset("small")
+    one = estimate_memory(cfg, ParallelConfig(), 4, 256).ranks[0]
+    four = estimate_memory(cfg, ParallelConfig(dp_shard=4), 4, 256).ranks[0]
+    assert four.params == pytest.approx(one.params / 4)
+    assert four.optimizer == pytest.approx(one.optimizer / 4)
+    assert four.activations == pytest.approx(one.activations)
+    bf16_states = estimate_memory(cfg, ParallelConfig(dp_shard=4), 4, 256, optimizer_bytes=2).ranks[0]
+    assert bf16_states.optimizer == pytest.approx(four.optimizer / 2)
+
+
+def test_pipeline_first_rank_holds_more_micro_batches_under_1f1b():
+    cfg = preset("small", num_hidden_layers=8, num_nextn_predict_layers=0, first_k_dense_replace=0)
+    plan = estimate_memory(cfg, ParallelConfig(pp=4, microbatches=8), 8, 256, "fp32")
+    acts = [r.activations for r in plan.ranks]
+    assert acts[0] > acts[1] > acts[2] > acts[3] * 0.99  # 4, 3, 2, 1 in flight (the last holds the head)
+
+
+def test_bad_inputs_say_what_to_do():
+    with pytest.raises(ValueError, match="bf16"):
+        estimate_memory(preset("tiny"), ParallelConfig(), 1, 16, dtype="fp16")
+    with pytest.raises(ValueError, match="divisible"):
+        estimate_memory(preset("tiny"), ParallelConfig(pp=2, microbatches=4), 6, 16)
+
+
+@pytest.mark.slow
+def test_measured_table_on_gloo_ranks():
+    """benchmarks/plan_memory.py's cases (single device, FSDP, EP, two pipeline schedules)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import plan_memory
+
+    for case in plan_memory.CASES:
+        plan = plan_memory.predict(case)
+        for rank, measured in enumerate(plan_memory.measure(case)):
+            assert plan.rank_peak(rank) == pytest.approx(measured, rel=TOLERANCE), (case.name, rank)
