@@ -428,7 +428,9 @@ class TrainConfig:
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
     clip: float = 1.0  # global grad-norm clip; 0 disables
-    dtype: str = "bf16"  # "bf16": autocast with fp32 master weights | "fp32"
+    # "auto": bf16 where the hardware runs it natively (GPU, AVX512-BF16/AMX CPU), else fp32 |
+    # "bf16": autocast with fp32 master weights | "fp32"
+    dtype: str = "auto"
     mtp_loss_scale: float = 0.3
     aux_loss_coeff: float = 1e-4  # sequence-wise balance loss (DeepSeek-V3 uses a tiny α)
     # Aux-loss-free balancing γ. DeepSeek-V3 used 1e-3 over ~10⁵ steps; a run of a few hundred steps
@@ -475,8 +477,9 @@ class TrainConfig:
             bad("decay_fraction", "must be in (0, 1]")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             bad("betas", "give two numbers in [0, 1), e.g. [0.9, 0.95]")
-        if self.dtype not in ("bf16", "fp32"):
-            bad("dtype", "use 'bf16' (autocast, fp32 master weights) or 'fp32'")
+        if self.dtype not in ("auto", "bf16", "fp32"):
+            bad("dtype", "use 'auto' (bf16 where the hardware runs it natively), 'bf16' (autocast, fp32 master "
+                         "weights) or 'fp32'")
         if self.recompute not in ("none", "full", "selective"):
             bad("recompute", "use 'none', 'full' or 'selective'")
         for key in ("weight_decay", "clip", "mtp_loss_scale", "aux_loss_coeff", "bias_update_speed", "peak_flops"):

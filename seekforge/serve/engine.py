@@ -246,7 +246,7 @@ class LLM:
     `tokenizer`, default the byte tokenizer). Other keyword arguments are `EngineConfig` fields."""
 
     def __init__(self, model: str | Transformer = "tiny", tokenizer=None, dtype=torch.float32, **engine_kwargs):
-        from seekforge.generate import load_model
+        from seekforge.model.load import load_model
         from seekforge.model.tokenizer import load_tokenizer
 
         if isinstance(model, Transformer):

@@ -336,7 +336,7 @@ def run(args):
     import torch
     import uvicorn
 
-    from seekforge.generate import load_model
+    from seekforge.model.load import load_model
     from seekforge.serve.engine import LLMEngine
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")

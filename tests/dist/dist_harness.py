@@ -18,7 +18,7 @@ from seekforge.model.model import build_model
 from seekforge.parallel.mesh import build_mesh
 from seekforge.parallel.parallelize import parallelize
 from seekforge.parallel.tp import loss_context
-from seekforge.train.loss import lm_loss
+from seekforge.model.loss import lm_loss
 
 STEPS, BATCH, SEQ = 3, 4, 16
 

@@ -173,7 +173,7 @@ def test_meta_init_allocates_nothing():
 
 
 def test_mtp_loss_trains_mtp_module():
-    from seekforge.train.loss import lm_loss
+    from seekforge.model.loss import lm_loss
 
     cfg = preset("tiny")
     model = build_model(cfg)

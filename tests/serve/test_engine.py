@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from seekforge.generate import generate
+from seekforge.model.generate import generate
 from seekforge.serve.engine import LLM
 from seekforge.serve.sequence import SamplingParams
 

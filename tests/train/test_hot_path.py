@@ -147,7 +147,7 @@ def test_chunked_cross_entropy_matches_fp32_cross_entropy(dtype, tol):
     logits (what the loss did before), with ignored rows and more rows than one chunk: loss and
     logits gradient. Both compute in fp32 from the same values; the gradient is returned in the
     logits' dtype, so bf16 is compared after rounding the reference gradient to bf16 too."""
-    from seekforge.train.loss import _ChunkedCrossEntropy, cross_entropy
+    from seekforge.model.loss import _ChunkedCrossEntropy, cross_entropy
 
     gen = torch.Generator().manual_seed(0)
     vocab = 300
