@@ -407,6 +407,21 @@ def _divisors(n: int) -> list[int]:
 
 
 # ---------------------------------------------------------------------------------------- train
+def parse_split(split: str) -> tuple[float, float, float]:
+    """Megatron's --split: "969,30,1" → the train, valid and test shares of each dataset's documents,
+    normalized (0.969, 0.03, 0.001); missing trailing weights are 0 ("99,1" → valid 1%, no test)."""
+    try:
+        weights = [float(w) for w in split.split(",")]
+    except (AttributeError, ValueError):  # not a string, or a field that is not a number
+        weights = []
+    if not 1 <= len(weights) <= 3 or not all(math.isfinite(w) and w >= 0 for w in weights) or sum(weights) <= 0:
+        raise ValueError(f"split {split!r} is not 'TRAIN,VALID,TEST' document weights; give up to three "
+                         "non-negative numbers with a positive sum, e.g. '969,30,1' (Megatron's --split)")
+    weights += [0.0] * (3 - len(weights))
+    total = sum(weights)
+    return weights[0] / total, weights[1] / total, weights[2] / total
+
+
 @dataclass
 class TrainConfig:
     """One pretraining run. YAML/TOML files map 1:1 onto these fields (train/config_file.py);
@@ -446,6 +461,11 @@ class TrainConfig:
     log_interval: int = 25
     eval_interval: int = 100  # steps between held-out loss evaluations; 0 disables
     eval_batches: int = 4
+    # Megatron's --split: train,valid,test shares of every dataset's documents (contiguous ranges), so
+    # the held-out loss reads only documents training never sees. Megatron's own default: the same
+    # held-out documents as a Megatron run on the same files, and for the default run's built-in
+    # corpus only 3% more text to generate (a 38k-token valid range for its 8k eval tokens).
+    split: str = "969,30,1"
     save_interval: int = 100  # 0: save only at the end
     keep_checkpoints: int = 2
     resume: bool = True  # continue from out_dir/checkpoints/latest when it exists
@@ -485,6 +505,13 @@ class TrainConfig:
         for key in ("weight_decay", "clip", "mtp_loss_scale", "aux_loss_coeff", "bias_update_speed", "peak_flops"):
             if getattr(self, key) < 0:
                 bad(key, "must be >= 0")
+        try:
+            _, valid_share, _ = parse_split(self.split)
+        except ValueError as e:
+            bad("split", str(e))
+        if valid_share == 0:
+            bad("split", "the valid share is 0, but the held-out loss reads valid documents; give it a weight, "
+                         "e.g. '969,30,1'")
         self.model_config()  # bad model overrides fail now, not after data loading
         self.parallel_config()  # likewise a bad layout (its fit to the world size is checked at launch)
 

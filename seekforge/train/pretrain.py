@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from seekforge.config import ModelConfig, ParallelConfig, TrainConfig
 from seekforge.data.corpora import unigram_entropy
-from seekforge.data.dataset import BatchLoader, build_dataset
+from seekforge.data.dataset import BatchLoader, build_datasets
 from seekforge.model.generate import generate
 from seekforge.model.hf import save_hf
 from seekforge.model.load import load_model
@@ -53,11 +53,10 @@ def build_data(cfg: TrainConfig, tokenizer, dp_rank: int = 0, dp_size: int = 1):
     """Training loader, fixed eval batches and the unigram-entropy baseline (nats/token); the
     loader and eval batches hold data-parallel rank `dp_rank`'s rows of each global batch."""
     samples_per_step = cfg.micro_batch_size * cfg.grad_accum
-    train_set = build_dataset(cfg.data, tokenizer, cfg.seq_len, cfg.seed, cfg.steps * samples_per_step)
+    # Held out by document (cfg.split, Megatron's --split): eval reads only the valid split's documents.
+    train_set, eval_set, _ = build_datasets(cfg.data, tokenizer, cfg.seq_len, cfg.seed, (
+        cfg.steps * samples_per_step, cfg.eval_batches * cfg.micro_batch_size, 0), cfg.split)
     loader = BatchLoader(train_set, cfg.micro_batch_size, cfg.seed, dp_rank, dp_size)
-    # A different seed draws different samples for the built-in corpora; for a fixed corpus it is a
-    # different shuffle, i.e. not strictly held out.
-    eval_set = build_dataset(cfg.data, tokenizer, cfg.seq_len, cfg.seed + 1, cfg.eval_batches * cfg.micro_batch_size)
     eval_loader = BatchLoader(eval_set, cfg.micro_batch_size, cfg.seed + 1, dp_rank, dp_size)
     eval_iter = iter(eval_loader)
     eval_batches = [next(eval_iter) for _ in range(cfg.eval_batches)]
