@@ -96,8 +96,9 @@ def stage_ids_of_rank(pp_rank: int, pc: ParallelConfig) -> list[int]:
 
 
 class PipelineRunner:
-    """This rank's stages and the schedule that drives them. `step` runs one training step's forward
-    and backward over all micro-batches; the optimizer step stays with the caller."""
+    """This rank's stages and the schedule that drives them. `step` runs the forward and backward of
+    one batch over all micro-batches; the caller ends the optimizer step's accumulation with
+    `sync_tied_embedding_grads` and steps the optimizers."""
 
     def __init__(self, model: nn.Module, pc: ParallelConfig, mesh: ParallelMesh, mtp_loss_scale: float = 0.3,
                  compute_dtype: torch.dtype | None = None):
@@ -125,7 +126,7 @@ class PipelineRunner:
                                        scale_grads=False)
         self.loss_scale = 1.0  # d(step loss)/d(one micro-batch's loss), set per step
         self._parts: list[dict[str, torch.Tensor]] = []  # the last stage's loss parts, per micro-batch
-        _keep_expert_counts(self.schedule, self.modules)
+        _exclude_metadata_inference(self.schedule, self)
 
     def _loss(self, h: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         # target (B, 2, T) carries the input ids along with the labels: MTP needs both on the last stage.
@@ -145,17 +146,17 @@ class PipelineRunner:
         self._parts = []
         with loss_context(self.mesh["tp"]):
             self.schedule.step(input_ids, target=torch.stack([input_ids, labels], dim=1))
-        self.sync_tied_embedding_grads()
         return self._mean_parts()
 
-    @torch.no_grad()
     def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Forward only (the schedule's eval): the mean loss parts on the last stage's rank, {} elsewhere."""
-        self._check_batch(input_ids)
-        self._parts = []
-        with loss_context(self.mesh["tp"]):
-            self.schedule.eval(input_ids, target=torch.stack([input_ids, labels], dim=1))
-        return self._mean_parts()
+        """The mean loss parts of a held-out batch on the last stage's rank, {} elsewhere; call with the
+        stages in eval mode. It runs the training schedule with a zero loss scale, not the schedule's
+        `eval`: in torch 2.13 that fails on V-shaped schedules ("can't steal_bwd_input"), and each
+        switch between the two modes reruns the shape inference. The zero gradients are dropped."""
+        parts = self.step(input_ids, labels, grad_scale=0.0)
+        for param in self.parameters():
+            param.grad = None
+        return parts
 
     def _check_batch(self, input_ids: torch.Tensor) -> None:
         if input_ids.shape[0] % self.pc.microbatches:
@@ -168,7 +169,8 @@ class PipelineRunner:
         return {k: torch.stack([plain_tensor(p[k]).float() for p in self._parts]).mean() for k in self._parts[0]}
 
     def sync_tied_embedding_grads(self) -> None:
-        """Sum the gradients of the first stage's embedding and the last stage's MTP copy."""
+        """Sum the gradients of the first stage's embedding and the last stage's MTP copy: once per
+        optimizer step, after the last `step` of a gradient accumulation."""
         grads = [m.embed_tokens.weight.grad for m in self.modules if hasattr(m, "embed_tokens")]
         grads = [local_tensor(g) for g in grads if g is not None]
         if len(grads) == 2:  # both copies on this rank (V schedules)
@@ -179,27 +181,34 @@ class PipelineRunner:
             dist.all_reduce(grads[0], group=self.tied_group)
 
 
-def _keep_expert_counts(schedule, modules: list[nn.Module]) -> None:
-    """On its first step a schedule infers the stages' shapes by running their forward (and the last
-    stage's loss, MTP included) once more (torch 2.13: `_initialize_pp_stages`; a private hook point,
-    hence the guard). That routing is not training traffic and must not steer the aux-loss-free
-    bias: the MoE token counts are restored after it."""
+def _exclude_metadata_inference(schedule, runner: PipelineRunner) -> None:
+    """On its first step, and again whenever it switches between training and evaluation, a schedule
+    infers the stages' shapes by running their forward, the last stage's loss and a backward once more
+    (torch 2.13: `_initialize_pp_stages`; a private hook point, hence the guard). That pass is not
+    training: its routing must not steer the aux-loss-free bias, its losses must not be logged and
+    its gradients must not be applied. All three are restored after it."""
     name = "_initialize_pp_stages"
     initialize = getattr(schedule, name, None)
-    moe_layers = [m for module in modules for m in module.modules() if isinstance(m, MoE)]
-    if initialize is None or not moe_layers:
+    if initialize is None:
         return
+    moe_layers = [m for module in runner.modules for m in module.modules() if isinstance(m, MoE)]
+    params = runner.parameters()
 
-    def without_counting(*args, **kwargs):
-        saved = [(m.tokens_per_expert.clone(), m.aux_loss) for m in moe_layers]
+    def excluded(*args, **kwargs):
+        saved_moe = [(m.tokens_per_expert.clone(), m.aux_loss) for m in moe_layers]
+        saved_grads = [p.grad for p in params]
+        saved_parts = list(runner._parts)
         try:
             return initialize(*args, **kwargs)
         finally:
-            for moe, (counts, aux_loss) in zip(moe_layers, saved, strict=True):
+            for moe, (counts, aux_loss) in zip(moe_layers, saved_moe, strict=True):
                 moe.tokens_per_expert.copy_(counts)
                 moe.aux_loss = aux_loss
+            for param, grad in zip(params, saved_grads, strict=True):
+                param.grad = grad
+            runner._parts = saved_parts
 
-    setattr(schedule, name, without_counting)
+    setattr(schedule, name, excluded)
 
 
 def _tied_embedding_group(mesh: ParallelMesh, pc: ParallelConfig):

@@ -162,6 +162,8 @@ class Trainer:
                 parts = {"loss": loss.detach(), **parts}
             for name, value in parts.items():
                 sums[name] = sums[name] + plain_tensor(value).float() / cfg.grad_accum
+        if self.runner is not None:
+            self.runner.sync_tied_embedding_grads()
         if "aux_loss" in sums:  # the balance loss is part of the step's loss, from every pipeline stage
             sums["aux_loss"] = self._take_aux_loss()
             sums["loss"] = sums["loss"] + sums["aux_loss"]
@@ -211,7 +213,6 @@ class Trainer:
     def _mfu(self, tokens_per_s: float) -> float:
         return model_flops_utilization(tokens_per_s * self.flops_per_token / self.num_devices, self.peak_flops)
 
-    @torch.no_grad()
     def evaluate(self) -> float:
         """Mean lm loss over the fixed held-out batches. MoE token counts are restored afterwards:
         evaluation traffic must not steer the balancing bias."""
@@ -226,7 +227,7 @@ class Trainer:
             if self.runner is not None:
                 parts = self.runner.evaluate(batch["input_ids"], batch["labels"])
             else:
-                with loss_context(self.tp_mesh), self._autocast():
+                with torch.no_grad(), loss_context(self.tp_mesh), self._autocast():
                     _, parts = lm_loss(self.model, batch["input_ids"], batch["labels"], batch.get("positions"),
                                        batch.get("segment_ids"), mtp_loss_scale=0.0)
             losses.append(plain_tensor(parts["lm_loss"]).float() if parts else torch.zeros((), device=self.device))
