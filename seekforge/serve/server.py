@@ -1,7 +1,8 @@
 """OpenAI-compatible HTTP server: `seekforge serve --model DIR_OR_PRESET` (default: the `tiny` preset).
 
-Endpoints: /v1/completions, /v1/chat/completions (both with SSE streaming and a final usage chunk
-under stream_options.include_usage), /v1/models, /health, /metrics (Prometheus).
+Endpoints: /v1/completions, /v1/chat/completions (both with SSE streaming, a final usage chunk under
+stream_options.include_usage, and the usage so far in every chunk under continuous_usage_stats, as in
+vLLM), /v1/models, /health, /metrics (Prometheus).
 Every bad request gets a 400 in OpenAI's error shape ({"error": {"message", "type", "param",
 "code"}}); the engine keeps running. A client that disconnects has its request aborted and its KV
 blocks freed.
@@ -255,24 +256,32 @@ async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[t
 
 async def _stream_chunks(streams, n: int, req, rid: str, created: int, obj: str, choice, metrics,
                          model_name: str, role_first: bool = False) -> AsyncIterator[str]:
-    """SSE chunks: text deltas per choice; then, if asked, one usage chunk with no choices."""
-
-    def chunk(choices, usage=None):
-        body = {"id": rid, "object": obj, "created": created, "model": model_name, "choices": choices}
-        if usage is not None:
-            body["usage"] = usage
-        return f"data: {json.dumps(body)}\n\n"
-
+    """SSE chunks: text deltas per choice; then, if asked, one usage chunk with no choices. With
+    stream_options.continuous_usage_stats every chunk also carries the request's usage so far."""
+    continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+    num_prompt_tokens: dict[int, int] = {}  # per stream, from its first output
     sent_text: dict[int, int] = {}
     sent_tokens: dict[int, int] = {}
     finished_choices: set[int] = set()
     finals: dict[int, RequestOutput] = {}
-    if role_first:
-        for i in range(n * len(streams)):
-            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None}])
+
+    def chunk(choices, usage=None):
+        body = {"id": rid, "object": obj, "created": created, "model": model_name, "choices": choices}
+        if usage is None and continuous:
+            prompt, completion = sum(num_prompt_tokens.values()), sum(sent_tokens.values())
+            usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        if usage is not None:
+            body["usage"] = usage
+        return f"data: {json.dumps(body)}\n\n"
+
     try:
         async for k, out in _merge(streams):
+            if k not in num_prompt_tokens:
+                num_prompt_tokens[k] = len(out.prompt_token_ids)
+                if role_first:
+                    for c in out.outputs:
+                        yield chunk([{"index": k * n + c.index, "delta": {"role": "assistant", "content": ""},
+                                      "logprobs": None, "finish_reason": None}])
             for c in out.outputs:
                 i = k * n + c.index
                 if i in finished_choices:
@@ -282,9 +291,9 @@ async def _stream_chunks(streams, n: int, req, rid: str, created: int, obj: str,
                 # one chunk per step that produced tokens, even when their text is still held back
                 # (partial UTF-8, possible stop string): clients and `bench serve` time tokens by chunk
                 if len(c.token_ids) > sent_tokens.get(i, 0) or c.finish_reason:
-                    yield chunk([choice(i, c, text, entries, c.finish_reason)])
                     sent_text[i] = len(c.text)
                     sent_tokens[i] = len(c.token_ids)
+                    yield chunk([choice(i, c, text, entries, c.finish_reason)])
                 if c.finish_reason:
                     finished_choices.add(i)
             if out.finished:
