@@ -112,10 +112,19 @@ def test_min_tokens_and_max_tokens(llm):
     assert len(out[0].outputs[0].token_ids) == 6 and out[0].outputs[0].finish_reason == "length"
 
 
-def test_logprobs_returned(llm):
+def test_logprobs_are_the_full_forward_log_softmax(llm, tiny_model):
     out = llm.generate("abc", SamplingParams(temperature=0, max_tokens=4, logprobs=2, ignore_eos=True))[0]
-    lp = out.outputs[0].logprobs
-    assert len(lp) == 4 and all(len(e["top"]) == 2 and e["logprob"] <= 0 for e in lp)
+    completion = out.outputs[0]
+    ids = out.prompt_token_ids + completion.token_ids
+    with torch.no_grad():  # one training-mode forward over prompt + output: the reference
+        ref = tiny_model(torch.tensor([ids]))[0, len(out.prompt_token_ids) - 1:-1].log_softmax(-1)
+    assert len(completion.logprobs) == 4
+    for pos, (token_id, entry) in enumerate(zip(completion.token_ids, completion.logprobs, strict=True)):
+        top = ref[pos].topk(2)
+        assert entry["token_id"] == token_id == int(top.indices[0])  # greedy: the top token
+        assert abs(entry["logprob"] - float(ref[pos, token_id])) < 1e-4
+        assert [i for i, _ in entry["top"]] == top.indices.tolist()
+        assert [lp for _, lp in entry["top"]] == pytest.approx(top.values.tolist(), abs=1e-4)
 
 
 def test_bad_requests_raise_value_error(llm):
