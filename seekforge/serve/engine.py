@@ -54,6 +54,15 @@ class RequestOutput:
     tpot: float | None = None  # seconds per output token after the first (finished requests)
 
 
+def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    """A conversation through the tokenizer's chat template, as token ids. BOS is added unless the
+    template already wrote it (HF templates usually start with `{{ bos_token }}`): never twice."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt)
+    bos_token = getattr(tokenizer, "bos_token", None)
+    has_bos = bool(bos_token) and text.startswith(bos_token)
+    return tokenizer.encode(text, add_bos=tokenizer.bos_token_id is not None and not has_bos)
+
+
 @dataclass
 class Request:
     request_id: str
@@ -277,8 +286,7 @@ class LLM:
         """One conversation ([{"role", "content"}, ...]) or a list of them, through the chat template."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        prompts = [self.tokenizer.apply_chat_template(c) for c in conversations]
-        return self.generate(prompts, sampling_params)
+        return self.generate([chat_prompt_ids(self.tokenizer, c) for c in conversations], sampling_params)
 
 
 class AsyncEngine:

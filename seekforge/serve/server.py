@@ -22,7 +22,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from seekforge.serve.engine import AsyncEngine, RequestOutput
+from seekforge.serve.engine import AsyncEngine, RequestOutput, chat_prompt_ids
 from seekforge.serve.metrics import ServerMetrics
 from seekforge.serve.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -135,10 +135,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
         check(req)
         if not req.messages:
             raise APIError("messages is empty; give at least one message", param="messages")
-        text = tokenizer.apply_chat_template([m.as_dict() for m in req.messages], req.add_generation_prompt)
-        bos = tokenizer.bos_token_id
-        starts_with_bos = bool(getattr(tokenizer, "bos_token", None)) and text.startswith(tokenizer.bos_token)
-        prompt_ids = tokenizer.encode(text, add_bos=bos is not None and not starts_with_bos)
+        prompt_ids = chat_prompt_ids(tokenizer, [m.as_dict() for m in req.messages], req.add_generation_prompt)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = req.sampling_params(req.max_new_tokens, logprobs)
         streams = [engine.generate(prompt_ids, params, cache_salt=req.cache_salt)]
@@ -172,24 +169,24 @@ def _usage(finals: list[RequestOutput]) -> dict:
             "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in finals)}}
 
 
-def _token_text(tokenizer, token_id: int) -> str:
+def _single_token_text(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id])
 
 
 def _completion_logprobs(tokenizer, entries: list[dict]) -> dict:
-    tokens = [_token_text(tokenizer, e["token_id"]) for e in entries]
+    tokens = [_single_token_text(tokenizer, e["token_id"]) for e in entries]
     offsets, pos = [], 0
     for t in tokens:
         offsets.append(pos)
         pos += len(t)
     return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{_token_text(tokenizer, i): lp for i, lp in e["top"]} for e in entries],
+            "top_logprobs": [{_single_token_text(tokenizer, i): lp for i, lp in e["top"]} for e in entries],
             "text_offset": offsets}
 
 
 def _chat_logprobs(tokenizer, entries: list[dict]) -> list[dict]:
     def one(token_id, logprob):
-        text = _token_text(tokenizer, token_id)
+        text = _single_token_text(tokenizer, token_id)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
     return [{**one(e["token_id"], e["logprob"]), "top_logprobs": [one(i, lp) for i, lp in e["top"]]}

@@ -179,3 +179,24 @@ def test_reset_prefix_cache_after_weight_update(tiny_model, byte_tokenizer, prom
     out = llm.generate(prompts[-1], GREEDY)[0]
     assert out.num_cached_tokens == 0
     assert out.outputs[0].token_ids == generate(model, prompts[-1], MAX_NEW)
+
+
+def test_chat_adds_bos_once_when_the_template_writes_it(tiny_model, tmp_path):
+    """HF chat templates usually start with `{{ bos_token }}`: LLM.chat and the server's chat endpoint
+    (both `chat_prompt_ids`) must not add a second BOS."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from seekforge.model.tokenizer import HFTokenizer
+
+    tk = Tokenizer(models.WordLevel({"<s>": 0, "</s>": 1, "hello": 2, "[UNK]": 3}, unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tk.add_special_tokens(["<s>", "</s>"])
+    tk.save(str(tmp_path / "tokenizer.json"))
+    template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "chat_template": template}))
+    llm = LLM(tiny_model, HFTokenizer(tmp_path), block_size=8, num_kv_blocks=16)
+    out = llm.chat([{"role": "user", "content": "hello"}], SamplingParams(temperature=0, max_tokens=1))[0]
+    assert out.prompt_token_ids == [0, 2]  # <s> hello

@@ -12,11 +12,10 @@ import openai
 import pytest
 
 from seekforge.config import EngineConfig
-from seekforge.serve.engine import LLM, AsyncEngine, LLMEngine
+from seekforge.serve.engine import LLM
 from seekforge.serve.sequence import SamplingParams
-from seekforge.serve.server import build_app
 
-from .conftest import LiveServer
+from .conftest import serving
 
 
 @pytest.fixture(scope="module")
@@ -235,18 +234,14 @@ def test_metrics(client, live_server):
 
 
 def test_api_key(tiny_model, byte_tokenizer):
-    engine = AsyncEngine(LLMEngine(tiny_model, byte_tokenizer, EngineConfig(num_kv_blocks=32, block_size=8)))
-    server = LiveServer(build_app(engine, "tiny", api_key="sekrit"))
-    try:
+    with serving(tiny_model, byte_tokenizer, EngineConfig(num_kv_blocks=32, block_size=8), api_key="sekrit") \
+            as server:
         bad = openai.OpenAI(base_url=server.base_url + "/v1", api_key="wrong", max_retries=0)
         with pytest.raises(openai.AuthenticationError):
             bad.models.list()
         good = openai.OpenAI(base_url=server.base_url + "/v1", api_key="sekrit", max_retries=0)
         assert good.completions.create(model="tiny", prompt="x", max_tokens=1).choices
         assert httpx.get(server.base_url + "/health").status_code == 200  # health needs no key
-    finally:
-        server.stop()
-        engine.shutdown()
 
 
 def test_non_streaming_disconnect_aborts(live_server):
