@@ -1,7 +1,8 @@
 """The engine: requests in, completions out.
 
     LLMEngine   — synchronous core: add_request / abort / step. One step = schedule → run → sample →
-                  update sequences (stop checks, detokenize) → finished sequences release their blocks.
+                  update sequences (stop checks, incremental detokenization: detokenizer.py) →
+                  finished sequences release their blocks.
     LLM         — offline API: `LLM("tiny").generate(["Hello", [1, 2, 3]], SamplingParams(max_tokens=8))`.
     AsyncEngine — runs an LLMEngine on a background thread for the server: `async for out in
                   engine.generate(prompt, params)` streams cumulative RequestOutputs; leaving the loop
