@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -287,24 +288,19 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{key}={getattr(self, key)!r}: must be a positive integer")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"EngineConfig.num_kv_blocks={self.num_kv_blocks}: give at least 1, or None")
-        self.kv_cache_bytes = parse_bytes(self.kv_cache_memory)
+        self.kv_cache_bytes = parse_bytes(self.kv_cache_memory, "EngineConfig.kv_cache_memory")
 
 
-def parse_bytes(size: str | int) -> int:
-    """"512MiB" / "2GiB" / "100MB" / 1048576 → bytes."""
-    if isinstance(size, int):
+def parse_bytes(size: str | int, what: str = "memory size") -> int:
+    """1048576, "512MiB", "2GiB", "5GB" (10⁹ bytes, as HF's max_shard_size) → bytes. `what` names the
+    setting in the error."""
+    if isinstance(size, int) and size > 0:
         return size
-    units = {"gib": 2**30, "mib": 2**20, "kib": 2**10, "gb": 10**9, "mb": 10**6, "kb": 10**3, "b": 1}
-    text = size.strip().lower()
-    if text.isdigit():
-        return int(text)
-    for unit, scale in units.items():
-        if text.endswith(unit):
-            try:
-                return int(float(text[: -len(unit)]) * scale)
-            except ValueError:
-                break
-    raise ValueError(f"memory size {size!r} not understood; write e.g. '512MiB', '2GiB' or a byte count")
+    units = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]I?B|B)?\s*", str(size).upper())
+    if match is None or float(match[1]) <= 0:
+        raise ValueError(f"{what} {size!r} is not a size; write e.g. '512MiB', '5GB' or a byte count")
+    return int(float(match[1]) * units[match[2] or "B"])
 
 
 # ---------------------------------------------------------------------------------------- parallel
@@ -315,7 +311,7 @@ MULTI_STAGE_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble"
 
 @dataclass
 class ParallelConfig:
-    """How a model is laid out over ranks. world size = pp · dp_replicate · dp_shard · cp · tp.
+    """How a model is laid out over ranks. world size = pp · dp_replicate · dp_shard · tp.
 
     dp_replicate × dp_shard is HSDP (FSDP within a shard group, replicas across); dp_shard alone is
     FSDP. Expert parallelism borrows ranks from dp_shard (as in torchtitan): `ep` must divide it, and
@@ -327,7 +323,6 @@ class ParallelConfig:
     tp: int = 1
     ep: int = 1
     pp: int = 1
-    cp: int = 1  # context parallel is not implemented; kept so layouts read like torchtitan's
     sequence_parallel: bool = False  # with tp > 1: norms run on T/tp tokens (parallel/tp.py)
     pp_schedule: str = "1F1B"
     microbatches: int = 1  # pipeline micro-batches per step
@@ -337,12 +332,10 @@ class ParallelConfig:
     mixed_precision: str = "fp32"  # "bf16": bf16 params/compute with fp32 gradient reduction
 
     def __post_init__(self):
-        for key in ("dp_replicate", "dp_shard", "tp", "ep", "pp", "cp", "microbatches"):
+        for key in ("dp_replicate", "dp_shard", "tp", "ep", "pp", "microbatches"):
             value = getattr(self, key)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"ParallelConfig.{key}={value!r}: must be a positive integer")
-        if self.cp != 1:
-            raise ValueError(f"ParallelConfig.cp={self.cp}: context parallelism is not implemented; set cp=1")
         if self.pp_schedule not in PIPELINE_SCHEDULES:
             raise ValueError(f"ParallelConfig.pp_schedule={self.pp_schedule!r}: choose one of {PIPELINE_SCHEDULES}")
         if self.mixed_precision not in ("fp32", "bf16"):
@@ -356,7 +349,7 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+        return self.pp * self.dp_replicate * self.dp_shard * self.tp
 
     @property
     def stages_per_rank(self) -> int:

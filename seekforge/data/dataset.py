@@ -26,8 +26,7 @@ import torch
 from seekforge.config import parse_split
 from seekforge.data.corpora import BUILTIN_CORPORA
 from seekforge.data.indexed import IndexedDataset, optimal_dtype
-
-IGNORE_INDEX = -100  # the label that cross_entropy skips (train/loss.py uses the same value)
+from seekforge.model.loss import IGNORE_INDEX
 
 
 class TokenDocuments:

@@ -378,6 +378,15 @@ class Transformer(nn.Module):
         return self
 
 
+def block_slots(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    """Every transformer Block of a Transformer or a pipeline stage as (container, name): the main
+    layers in order, then each MTP module's block. `getattr(container, name)` is the block (or what
+    parallel/ wrapped it in); `setattr` replaces it in place."""
+    layers = getattr(model, "layers", [])
+    names = list(layers.keys()) if isinstance(layers, nn.ModuleDict) else [str(i) for i in range(len(layers))]
+    return [(layers, name) for name in names] + [(module, "block") for module in getattr(model, "mtp", [])]
+
+
 def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", dtype=torch.float32, seed: int = 0):
     """A randomly initialized model; `device="meta"` builds shapes only (for planning huge presets)."""
     with torch.device(device):

@@ -35,6 +35,7 @@ from seekforge.model.dtensor import plain_tensor
 from seekforge.model.loss import lm_loss
 from seekforge.model.moe import MoE
 from seekforge.model.precision import resolve_dtype
+from seekforge.parallel.parallelize import compile_blocks
 from seekforge.parallel.recompute import apply_recompute
 from seekforge.parallel.tp import loss_context
 from seekforge.train.balance import update_expert_bias
@@ -50,12 +51,7 @@ def prepare_model(model, cfg: TrainConfig):
     if cfg.recompute != "none":
         apply_recompute(model, cfg.recompute)
     if cfg.compile:
-        # Per block, not the whole model: one graph is traced once and reused for every layer of the
-        # same shape, and a graph break (MoE's data-dependent routing) stays inside one block.
-        for layer in model.layers:
-            layer.compile()
-        for module in model.mtp:
-            module.block.compile()
+        compile_blocks(model)
     return model
 
 

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from seekforge.data.dataset import (
-    IGNORE_INDEX,
     BatchLoader,
     BlendedDataset,
     GPTDataset,
@@ -15,6 +14,7 @@ from seekforge.data.dataset import (
     parse_blend,
 )
 from seekforge.data.indexed import IndexedDatasetBuilder
+from seekforge.model.loss import IGNORE_INDEX
 from seekforge.model.tokenizer import ByteTokenizer
 
 

@@ -10,7 +10,7 @@ from seekforge.model.model import MLA, document_mask
 from seekforge.model.moe import grouped_mm, grouped_mm_reference
 
 
-@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch without _grouped_mm")
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="older torch without _grouped_mm")
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_cpu_grouped_mm_loop_matches_torch_grouped_mm(dtype, tol):
     gen = torch.Generator().manual_seed(0)
