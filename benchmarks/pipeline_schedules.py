@@ -53,6 +53,7 @@ def rank_main(rank: int, world: int, tmp: str, args) -> None:
             dist.barrier()
             start = time.perf_counter()
             runner.step(inputs, labels)
+            runner.sync_tied_embedding_grads()
             opt.step()
             opt.zero_grad()
             dist.barrier()

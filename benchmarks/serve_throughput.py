@@ -22,7 +22,7 @@ import time
 import torch
 
 from seekforge.config import preset
-from seekforge.generate import generate
+from seekforge.model.generate import generate
 from seekforge.model.model import build_model
 from seekforge.model.tokenizer import load_tokenizer
 from seekforge.serve.engine import LLM

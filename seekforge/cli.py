@@ -13,7 +13,7 @@ import sys
 
 VERBS = {
     "info": ("seekforge.model.info", "print a model's size (total / activated / MTP parameters)"),
-    "generate": ("seekforge.generate", "generate text from a checkpoint or preset (single sequence)"),
+    "generate": ("seekforge.model.generate", "generate text from a checkpoint or preset (single sequence)"),
     "pretrain": ("seekforge.train.cli", "pretrain a model (built-in corpus by default)"),
     "preprocess": ("seekforge.data.preprocess", "tokenize JSONL/text into Megatron .bin/.idx files"),
     "convert": ("seekforge.train.convert", "convert between seekforge checkpoints and HF format"),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -287,24 +288,19 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{key}={getattr(self, key)!r}: must be a positive integer")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"EngineConfig.num_kv_blocks={self.num_kv_blocks}: give at least 1, or None")
-        self.kv_cache_bytes = parse_bytes(self.kv_cache_memory)
+        self.kv_cache_bytes = parse_bytes(self.kv_cache_memory, "EngineConfig.kv_cache_memory")
 
 
-def parse_bytes(size: str | int) -> int:
-    """"512MiB" / "2GiB" / "100MB" / 1048576 → bytes."""
-    if isinstance(size, int):
+def parse_bytes(size: str | int, what: str = "memory size") -> int:
+    """1048576, "512MiB", "2GiB", "5GB" (10⁹ bytes, as HF's max_shard_size) → bytes. `what` names the
+    setting in the error."""
+    if isinstance(size, int) and size > 0:
         return size
-    units = {"gib": 2**30, "mib": 2**20, "kib": 2**10, "gb": 10**9, "mb": 10**6, "kb": 10**3, "b": 1}
-    text = size.strip().lower()
-    if text.isdigit():
-        return int(text)
-    for unit, scale in units.items():
-        if text.endswith(unit):
-            try:
-                return int(float(text[: -len(unit)]) * scale)
-            except ValueError:
-                break
-    raise ValueError(f"memory size {size!r} not understood; write e.g. '512MiB', '2GiB' or a byte count")
+    units = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]I?B|B)?\s*", str(size).upper())
+    if match is None or float(match[1]) <= 0:
+        raise ValueError(f"{what} {size!r} is not a size; write e.g. '512MiB', '5GB' or a byte count")
+    return int(float(match[1]) * units[match[2] or "B"])
 
 
 # ---------------------------------------------------------------------------------------- parallel
@@ -315,7 +311,7 @@ MULTI_STAGE_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble"
 
 @dataclass
 class ParallelConfig:
-    """How a model is laid out over ranks. world size = pp · dp_replicate · dp_shard · cp · tp.
+    """How a model is laid out over ranks. world size = pp · dp_replicate · dp_shard · tp.
 
     dp_replicate × dp_shard is HSDP (FSDP within a shard group, replicas across); dp_shard alone is
     FSDP. Expert parallelism borrows ranks from dp_shard (as in torchtitan): `ep` must divide it, and
@@ -327,7 +323,6 @@ class ParallelConfig:
     tp: int = 1
     ep: int = 1
     pp: int = 1
-    cp: int = 1  # context parallel is not implemented; kept so layouts read like torchtitan's
     sequence_parallel: bool = False  # with tp > 1: norms run on T/tp tokens (parallel/tp.py)
     pp_schedule: str = "1F1B"
     microbatches: int = 1  # pipeline micro-batches per step
@@ -337,12 +332,10 @@ class ParallelConfig:
     mixed_precision: str = "fp32"  # "bf16": bf16 params/compute with fp32 gradient reduction
 
     def __post_init__(self):
-        for key in ("dp_replicate", "dp_shard", "tp", "ep", "pp", "cp", "microbatches"):
+        for key in ("dp_replicate", "dp_shard", "tp", "ep", "pp", "microbatches"):
             value = getattr(self, key)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"ParallelConfig.{key}={value!r}: must be a positive integer")
-        if self.cp != 1:
-            raise ValueError(f"ParallelConfig.cp={self.cp}: context parallelism is not implemented; set cp=1")
         if self.pp_schedule not in PIPELINE_SCHEDULES:
             raise ValueError(f"ParallelConfig.pp_schedule={self.pp_schedule!r}: choose one of {PIPELINE_SCHEDULES}")
         if self.mixed_precision not in ("fp32", "bf16"):
@@ -356,7 +349,7 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+        return self.pp * self.dp_replicate * self.dp_shard * self.tp
 
     @property
     def stages_per_rank(self) -> int:
@@ -407,6 +400,21 @@ def _divisors(n: int) -> list[int]:
 
 
 # ---------------------------------------------------------------------------------------- train
+def parse_split(split: str) -> tuple[float, float, float]:
+    """Megatron's --split: "969,30,1" → the train, valid and test shares of each dataset's documents,
+    normalized (0.969, 0.03, 0.001); missing trailing weights are 0 ("99,1" → valid 1%, no test)."""
+    try:
+        weights = [float(w) for w in split.split(",")]
+    except (AttributeError, ValueError):  # not a string, or a field that is not a number
+        weights = []
+    if not 1 <= len(weights) <= 3 or not all(math.isfinite(w) and w >= 0 for w in weights) or sum(weights) <= 0:
+        raise ValueError(f"split {split!r} is not 'TRAIN,VALID,TEST' document weights; give up to three "
+                         "non-negative numbers with a positive sum, e.g. '969,30,1' (Megatron's --split)")
+    weights += [0.0] * (3 - len(weights))
+    total = sum(weights)
+    return weights[0] / total, weights[1] / total, weights[2] / total
+
+
 @dataclass
 class TrainConfig:
     """One pretraining run. YAML/TOML files map 1:1 onto these fields (train/config_file.py);
@@ -428,7 +436,9 @@ class TrainConfig:
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
     clip: float = 1.0  # global grad-norm clip; 0 disables
-    dtype: str = "bf16"  # "bf16": autocast with fp32 master weights | "fp32"
+    # "auto": bf16 where the hardware runs it natively (GPU, AVX512-BF16/AMX CPU), else fp32 |
+    # "bf16": autocast with fp32 master weights | "fp32"
+    dtype: str = "auto"
     mtp_loss_scale: float = 0.3
     aux_loss_coeff: float = 1e-4  # sequence-wise balance loss (DeepSeek-V3 uses a tiny α)
     # Aux-loss-free balancing γ. DeepSeek-V3 used 1e-3 over ~10⁵ steps; a run of a few hundred steps
@@ -444,6 +454,11 @@ class TrainConfig:
     log_interval: int = 25
     eval_interval: int = 100  # steps between held-out loss evaluations; 0 disables
     eval_batches: int = 4
+    # Megatron's --split: train,valid,test shares of every dataset's documents (contiguous ranges), so
+    # the held-out loss reads only documents training never sees. Megatron's own default: the same
+    # held-out documents as a Megatron run on the same files, and for the default run's built-in
+    # corpus only 3% more text to generate (a 38k-token valid range for its 8k eval tokens).
+    split: str = "969,30,1"
     save_interval: int = 100  # 0: save only at the end
     keep_checkpoints: int = 2
     resume: bool = True  # continue from out_dir/checkpoints/latest when it exists
@@ -475,13 +490,21 @@ class TrainConfig:
             bad("decay_fraction", "must be in (0, 1]")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             bad("betas", "give two numbers in [0, 1), e.g. [0.9, 0.95]")
-        if self.dtype not in ("bf16", "fp32"):
-            bad("dtype", "use 'bf16' (autocast, fp32 master weights) or 'fp32'")
+        if self.dtype not in ("auto", "bf16", "fp32"):
+            bad("dtype", "use 'auto' (bf16 where the hardware runs it natively), 'bf16' (autocast, fp32 master "
+                         "weights) or 'fp32'")
         if self.recompute not in ("none", "full", "selective"):
             bad("recompute", "use 'none', 'full' or 'selective'")
         for key in ("weight_decay", "clip", "mtp_loss_scale", "aux_loss_coeff", "bias_update_speed", "peak_flops"):
             if getattr(self, key) < 0:
                 bad(key, "must be >= 0")
+        try:
+            _, valid_share, _ = parse_split(self.split)
+        except ValueError as e:
+            bad("split", str(e))
+        if valid_share == 0:
+            bad("split", "the valid share is 0, but the held-out loss reads valid documents; give it a weight, "
+                         "e.g. '969,30,1'")
         self.model_config()  # bad model overrides fail now, not after data loading
         self.parallel_config()  # likewise a bad layout (its fit to the world size is checked at launch)
 

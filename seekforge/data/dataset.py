@@ -1,14 +1,15 @@
 """Training samples: fixed windows over a shuffled stream of documents (Megatron's GPTDataset idea),
-weighted blends of several such datasets (Megatron's BlendedDataset), and a resumable batch loader.
+weighted blends of several such datasets (Megatron's BlendedDataset), train/valid/test splits by
+document range (Megatron's --split), and a resumable batch loader.
 
 Shape legend: T = seq_len; every window holds T + 1 consecutive tokens w, giving
 input_ids = w[:-1] and labels = w[1:], both (T,) int64; a batch stacks B of them → (B, T).
 
 How a GPTDataset lays out samples (same sample boundaries as Megatron's `build_sample_idx`):
   1. epochs: as many passes over the documents as `num_samples * T + 1` tokens need;
-  2. document order: every epoch is its own seeded permutation of the documents, concatenated
-     into one virtual token stream (so each epoch sees each document once before any repeats;
-     Megatron instead shuffles all epochs together);
+  2. document order: every epoch is its own seeded permutation of the documents (of one split's
+     document range, see `build_datasets`), concatenated into one virtual token stream (so each
+     epoch sees each document once before any repeats; Megatron instead shuffles all epochs together);
   3. sample k covers stream tokens [k·T, k·T + T + 1): windows run across document boundaries and
      overlap by the one token that is the last label of k and the first input of k + 1;
   4. sample order: a seeded permutation of all windows in the stream.
@@ -22,10 +23,10 @@ import math
 import numpy as np
 import torch
 
+from seekforge.config import parse_split
 from seekforge.data.corpora import BUILTIN_CORPORA
 from seekforge.data.indexed import IndexedDataset, optimal_dtype
-
-IGNORE_INDEX = -100  # the label that cross_entropy skips (train/loss.py uses the same value)
+from seekforge.model.loss import IGNORE_INDEX
 
 
 class TokenDocuments:
@@ -63,11 +64,16 @@ class GPTDataset:
     they are right even for data preprocessed without EOD tokens.
     """
 
-    def __init__(self, documents, seq_len: int, num_samples: int, seed: int, reset_per_document: bool = False):
+    def __init__(self, documents, seq_len: int, num_samples: int, seed: int, reset_per_document: bool = False,
+                 document_ids: np.ndarray | None = None):
+        """document_ids: the documents this dataset draws from (Megatron's indexed_indices: one split's
+        document range); default all of them."""
         if seq_len < 1 or num_samples < 1:
             raise ValueError(f"seq_len={seq_len}, num_samples={num_samples}; both must be ≥ 1")
-        sizes = np.asarray(documents.sequence_lengths, dtype=np.int64)  # (D,)
-        tokens_per_epoch = int(sizes.sum())
+        sizes = np.asarray(documents.sequence_lengths, dtype=np.int64)  # (D,) over all documents
+        if document_ids is None:
+            document_ids = np.arange(len(sizes))
+        tokens_per_epoch = int(sizes[document_ids].sum())
         if tokens_per_epoch < 2:
             raise ValueError(f"the dataset holds {tokens_per_epoch} tokens; a sample needs at least 2 "
                              "(input + label) — check the data prefix or corpus")
@@ -75,10 +81,10 @@ class GPTDataset:
         self.num_epochs = max(1, math.ceil((num_samples * seq_len + 1) / tokens_per_epoch))
         self.tokens_per_epoch = tokens_per_epoch
         rng = np.random.default_rng(seed)
-        self.document_index = np.concatenate(  # (E·D,) document id at each position of the stream
-            [rng.permutation(len(sizes)) for _ in range(self.num_epochs)])
-        self._doc_sizes = sizes[self.document_index]  # (E·D,)
-        self._doc_ends = np.cumsum(self._doc_sizes)  # (E·D,) exclusive end of each document in the stream
+        self.document_index = np.concatenate(  # (E·D',) document id at each position of the stream
+            [rng.permutation(document_ids) for _ in range(self.num_epochs)])
+        self._doc_sizes = sizes[self.document_index]  # (E·D',)
+        self._doc_ends = np.cumsum(self._doc_sizes)  # (E·D',) exclusive end of each document in the stream
         # Windows start every T tokens; the last one needs its T + 1-th token inside the stream.
         num_windows = (int(self._doc_ends[-1]) - 1) // seq_len
         assert num_windows >= num_samples, (num_windows, num_samples)
@@ -210,7 +216,7 @@ class BatchLoader:
 
 
 # ---------------------------------------------------------------------------------------------
-# Specs: "builtin:text", "PREFIX", "0.7 PREFIX_A 0.3 builtin:arithmetic"
+# Specs ("builtin:text", "PREFIX", "0.7 PREFIX_A 0.3 builtin:arithmetic") and train/valid/test splits
 # ---------------------------------------------------------------------------------------------
 
 MAX_BUILTIN_TOKENS = 8_000_000  # beyond this a built-in corpus repeats in epochs instead of growing
@@ -251,25 +257,59 @@ def builtin_documents(name: str, tokenizer, num_tokens: int, seed: int) -> Token
     return TokenDocuments(documents, dtype=optimal_dtype(tokenizer.vocab_size))
 
 
-def build_dataset(spec: str, tokenizer, seq_len: int, seed: int, num_samples: int,
-                  reset_per_document: bool = False):
-    """A GPTDataset (or BlendedDataset) with ≥ num_samples samples of seq_len tokens.
+SPLITS = ("train", "valid", "test")
+
+
+def split_document_ranges(split: str, num_documents: int) -> list[range]:
+    """The train, valid and test document ranges of Megatron's --split, as megatron-core's
+    BlendedMegatronDatasetBuilder cuts them: contiguous, in file order, each bound the cumulative
+    share rounded to a document count, round(cumsum(shares) · D), in Megatron's float order so the
+    ranges are equal to its own. A document is a sequence of the .idx (Megatron's GPT split). A split
+    of weight 0 gets an empty range (Megatron builds none)."""
+    bounds = itertools.accumulate(parse_split(split), initial=0.0)  # [0, s0, s0+s1, s0+s1+s2]
+    ends = [int(round(bound * float(num_documents))) for bound in bounds]
+    return [range(begin, end) for begin, end in itertools.pairwise(ends)]
+
+
+def build_datasets(spec: str, tokenizer, seq_len: int, seed: int, num_samples: tuple[int, int, int],
+                   split: str, reset_per_document: bool = False) -> list:
+    """[train, valid, test] datasets (GPTDataset or BlendedDataset) with ≥ num_samples[i] samples of
+    seq_len tokens each; None where num_samples[i] is 0.
 
     spec: "builtin:arithmetic", "builtin:text", a Megatron prefix (PREFIX.bin/.idx exist), or a blend
-    "0.7 PREFIX_A 0.3 builtin:text". Built-in corpora are generated from `seed`, so seed + 1 gives
-    held-out documents for validation.
+    "0.7 PREFIX_A 0.3 builtin:text". As Megatron with --split, every dataset of the spec is split by
+    document (`split_document_ranges`) and each split gets its own sample index over its own range,
+    so valid and test samples never hold a training document; a blend is split per dataset, then
+    each split is blended with the spec's weights. A built-in corpus is generated from `seed` until
+    every wanted split's share of it holds that split's tokens.
     """
+    assert len(num_samples) == len(SPLITS), num_samples
     blend = parse_blend(spec)
-    total_weight = sum(w for w, _ in blend)
-    datasets = []
+    shares, total_weight = parse_split(split), sum(w for w, _ in blend)
+    parts: list[list[GPTDataset]] = [[] for _ in SPLITS]  # per split, one dataset per blend entry
     for weight, path in blend:
         # Megatron's 0.5% margin so the blend never asks a dataset for more samples than it built.
-        wanted = num_samples if len(blend) == 1 else math.ceil(num_samples * weight / total_weight * 1.005) + 1
-        datasets.append(GPTDataset(_documents(path, tokenizer, wanted * seq_len + 1, seed), seq_len, wanted,
-                                   seed, reset_per_document))
-    if len(datasets) == 1:
-        return datasets[0]
-    return BlendedDataset(datasets, [w for w, _ in blend], num_samples)
+        wanted = [n if len(blend) == 1 or n == 0 else math.ceil(n * weight / total_weight * 1.005) + 1
+                  for n in num_samples]
+        num_tokens = max(((n * seq_len + 1) / share for n, share in zip(wanted, shares, strict=True) if n and share),
+                         default=0)
+        documents = _documents(path, tokenizer, math.ceil(num_tokens), seed)
+        sizes = np.asarray(documents.sequence_lengths, dtype=np.int64)  # (D,)
+        for name, n, document_range, datasets in zip(SPLITS, wanted, split_document_ranges(split, len(sizes)),
+                                                     parts, strict=True):
+            if not n:
+                continue
+            num_split_tokens = int(sizes[document_range.start:document_range.stop].sum())
+            if num_split_tokens < 2:
+                raise ValueError(
+                    f"split {split!r} gives the {name} split documents [{document_range.start}, "
+                    f"{document_range.stop}) of the {len(sizes)} in {path}: {num_split_tokens} tokens, too few for "
+                    f"one sample; give {name} a larger weight (e.g. split='8,1,1') or use more documents")
+            datasets.append(GPTDataset(documents, seq_len, n, seed, reset_per_document,
+                                       np.arange(document_range.start, document_range.stop)))
+    return [None if not n else datasets[0] if len(blend) == 1
+            else BlendedDataset(datasets, [w for w, _ in blend], n)
+            for n, datasets in zip(num_samples, parts, strict=True)]
 
 
 def _documents(path: str, tokenizer, num_tokens: int, seed: int):

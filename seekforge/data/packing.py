@@ -14,7 +14,7 @@ import bisect
 import numpy as np
 import torch
 
-from seekforge.data.dataset import IGNORE_INDEX
+from seekforge.model.loss import IGNORE_INDEX
 
 
 def best_fit_bins(lengths: list[int], capacity: int) -> list[list[int]]:

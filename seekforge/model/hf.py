@@ -31,7 +31,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from seekforge.config import ModelConfig
+from seekforge.config import ModelConfig, parse_bytes
 from seekforge.model.model import Transformer, build_model
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -305,7 +305,7 @@ def save_hf(model: Transformer, path: str | Path, max_shard_size: int | str = "5
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise ValueError(f"{path} is a file; save_hf writes a checkpoint directory: pass a directory path")
-    limit = parse_size(max_shard_size)
+    limit = parse_bytes(max_shard_size, "max_shard_size")
     entries = save_entries(model, dtype, fp8)
     shards = pack_shards(entries, limit)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -381,17 +381,6 @@ def hf_config(model: Transformer, dtype: torch.dtype | None, fp8: bool) -> dict:
     if fp8:
         config["quantization_config"] = dict(FP8_QUANTIZATION_CONFIG)
     return config
-
-
-def parse_size(size: int | str) -> int:
-    """5_000_000, "5GB" (10⁹ bytes, as HF), "500MB", "2GiB" → bytes."""
-    if isinstance(size, int) and size > 0:
-        return size
-    units = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]I?B|B)\s*", str(size).upper())
-    if m is None or float(m[1]) <= 0:
-        raise ValueError(f"max_shard_size={size!r} is not a size; pass bytes as an int or a string like '5GB'")
-    return int(float(m[1]) * units[m[2]])
 
 
 def replace_dir(tmp: Path, path: Path) -> None:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from seekforge.config import ModelConfig, rope_type, yarn_factor, yarn_get_mscale
-from seekforge.model.moe import MoE
+from seekforge.model.moe import MLP, MoE
 
 
 class RMSNorm(nn.Module):
@@ -260,20 +260,7 @@ class LatentCache:
         return attn.attend_naive(q_nope, q_pe, self.c_kv[:, :end], self.k_pe[:, :end], mask=mask)
 
 
-# ---------------------------------------------------------------------------------------- FFN
-class MLP(nn.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) · up(x))."""
-
-    def __init__(self, hidden: int, inter: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
+# ---------------------------------------------------------------------------------------- block
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
@@ -288,6 +275,32 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+# ---------------------------------------------------------------------------------------- MTP
+class MTPModule(nn.Module):
+    """Multi-Token Prediction (DeepSeek-V3 §2.2).
+
+    MTP module k (1-based depth) predicts token t+k+1 at position t: it combines the previous depth's
+    hidden state h^{k-1}_t with the embedding of token t+k,
+        h'_t = eh_proj([enorm(Emb(x_{t+k})); hnorm(h^{k-1}_t)]),
+    runs one transformer block over h', and scores it with the shared output head after its own norm.
+    Embedding and head are shared with the main model (the paper's design; HF checkpoints store copies).
+    The objective that trains it is model/loss.py's `mtp_losses`.
+    """
+
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.block = Block(cfg, layer_id)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # HF: shared_head.norm
+
+    def forward(self, h_prev, next_embeds, cos, sin, mask=None):
+        """h_prev, next_embeds (B, T, H) → this depth's hidden (B, T, H), before `norm`."""
+        x = self.eh_proj(torch.cat([self.enorm(next_embeds), self.hnorm(h_prev)], dim=-1))
+        return self.block(x, cos, sin, mask)
+
+
 # ---------------------------------------------------------------------------------------- model
 def document_mask(segment_ids: torch.Tensor) -> torch.Tensor:
     """segment_ids (B, T) of packed documents → (B, 1, T, T) bool: causal within each document."""
@@ -298,15 +311,13 @@ def document_mask(segment_ids: torch.Tensor) -> torch.Tensor:
 
 
 class Transformer(nn.Module):
-    """DeepSeek-V3 decoder with optional MTP modules (`mtp`, see model/mtp.py).
+    """DeepSeek-V3 decoder with optional MTP modules (`mtp`, see MTPModule).
 
     forward(input_ids) → logits (B, T, V); `hidden(...)` stops before the head, for the loss code
     and MTP. Packed training passes per-document `positions` and `segment_ids`.
     """
 
     def __init__(self, cfg: ModelConfig):
-        from seekforge.model.mtp import MTPModule
-
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -365,6 +376,15 @@ class Transformer(nn.Module):
         for m in self.moe_layers():
             m.gate.e_score_correction_bias.zero_()
         return self
+
+
+def block_slots(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    """Every transformer Block of a Transformer or a pipeline stage as (container, name): the main
+    layers in order, then each MTP module's block. `getattr(container, name)` is the block (or what
+    parallel/ wrapped it in); `setattr` replaces it in place."""
+    layers = getattr(model, "layers", [])
+    names = list(layers.keys()) if isinstance(layers, nn.ModuleDict) else [str(i) for i in range(len(layers))]
+    return [(layers, name) for name in names] + [(module, "block") for module in getattr(model, "mtp", [])]
 
 
 def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", dtype=torch.float32, seed: int = 0):

@@ -17,6 +17,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from seekforge.config import ModelConfig
+from seekforge.model.dtensor import local_tensor
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward, down(silu(gate(x)) · up(x)): the dense layers' FFN and the shared experts."""
+
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Gate(nn.Module):
@@ -126,15 +140,10 @@ class GroupedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))  # (E, H, I)
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        """x (S, H) sorted by expert → (S, H)."""
-        gate, up = grouped_mm(x, _local(self.gate_up_proj), num_tokens_per_expert).chunk(2, dim=-1)
-        return grouped_mm(F.silu(gate) * up, _local(self.down_proj), num_tokens_per_expert)
-
-
-def _local(weight: torch.Tensor) -> torch.Tensor:
-    # parallel/ep.py stores the stacked weights as DTensors sharded over experts; the grouped GEMM
-    # runs on this rank's experts (the dispatcher brought their tokens here).
-    return weight.to_local() if hasattr(weight, "to_local") else weight
+        """x (S, H) sorted by expert → (S, H). parallel/ep.py stores the stacked weights as DTensors
+        sharded over experts; the GEMMs run on this rank's experts (the dispatcher brought their tokens)."""
+        gate, up = grouped_mm(x, local_tensor(self.gate_up_proj), num_tokens_per_expert).chunk(2, dim=-1)
+        return grouped_mm(F.silu(gate) * up, local_tensor(self.down_proj), num_tokens_per_expert)
 
 
 def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -226,8 +235,6 @@ def _grouped_mm_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig):
-        from seekforge.model.model import MLP  # MLP lives with the dense layers
-
         super().__init__()
         self.cfg = cfg
         self.gate = Gate(cfg)
@@ -239,8 +246,11 @@ class MoE(nn.Module):
         # Token counts since the last balance update (summed over micro-batches), read by the trainer.
         self.register_buffer("tokens_per_expert", torch.zeros(cfg.n_routed_experts, dtype=torch.long),
                              persistent=False)
-        self.aux_loss_coeff = 0.0  # sequence-wise balance loss weight, set by the trainer
-        self.aux_loss: torch.Tensor | None = None
+        # The sequence-wise balance loss: its weight α, and d(step loss)/d(this layer's aux loss) — the
+        # trainer's 1/(grad_accum · pipeline micro-batches), the factor every other loss term gets.
+        self.aux_loss_coeff, self.aux_grad_scale = 0.0, 1.0
+        # Its detached value summed over the forward passes since the trainer last read it (for logs).
+        self.aux_loss: torch.Tensor | float = 0.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -260,13 +270,34 @@ class MoE(nn.Module):
             out = out + shared
         # Counted in training only (serving has no use for them), and not during activation-recompute
         # replays in backward, which would count every token twice.
-        if self.training and torch._C._current_graph_task_id() == -1:
+        counting = self.training and torch._C._current_graph_task_id() == -1
+        if counting:
             with torch.no_grad():  # this rank's routing decisions, whichever rank runs the experts
                 num_tokens_per_expert = torch.bincount(indices.reshape(-1), minlength=self.cfg.n_routed_experts)
                 self.tokens_per_expert += num_tokens_per_expert.to(self.tokens_per_expert.dtype)
         if self.training and self.aux_loss_coeff > 0:
-            self.aux_loss = self.aux_loss_coeff * sequence_balance_loss(scores, indices, shape[0], self.cfg)
+            aux_loss = self.aux_loss_coeff * sequence_balance_loss(scores, indices, shape[0], self.cfg)
+            out = _AttachAuxLoss.apply(out, aux_loss, self.aux_grad_scale)
+            if counting:
+                self.aux_loss = self.aux_loss + aux_loss.detach()
         return out.view(shape)
+
+
+class _AttachAuxLoss(torch.autograd.Function):
+    """Identity on the layer output whose backward also feeds `grad_scale` into the aux loss (Megatron's
+    MoEAuxLossAutoScaler): the balance loss trains the router through this layer's own backward, so it
+    needs no path to the loss value — in a pipeline the layer may sit stages before the loss."""
+
+    @staticmethod
+    def forward(ctx, out, aux_loss, grad_scale):
+        ctx.save_for_backward(aux_loss)
+        ctx.grad_scale = grad_scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (aux_loss,) = ctx.saved_tensors
+        return grad_out, torch.full_like(aux_loss, ctx.grad_scale), None
 
 
 def sequence_balance_loss(scores: torch.Tensor, indices: torch.Tensor, batch: int, cfg: ModelConfig):

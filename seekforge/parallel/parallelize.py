@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from seekforge.config import ParallelConfig
+from seekforge.model.model import block_slots
 from seekforge.parallel.ep import apply_ep
 from seekforge.parallel.fsdp import apply_fsdp, mixed_precision_policy
 from seekforge.parallel.recompute import apply_recompute
@@ -28,8 +29,7 @@ def parallelize(model: nn.Module, pc: ParallelConfig, mesh: DeviceMesh) -> nn.Mo
     if pc.recompute != "none":
         apply_recompute(model, pc.recompute)
     if pc.compile:
-        for block in _blocks(model):
-            block.compile()  # per block: small graphs, and FSDP's hooks stay outside them
+        compile_blocks(model)
     if pc.dp_replicate * pc.dp_shard > 1 or pc.mixed_precision != "fp32":
         hsdp = pc.dp_replicate > 1
         dp_mesh = mesh["dp_replicate", "dp_shard"] if hsdp else mesh["dp_shard"]
@@ -41,7 +41,10 @@ def parallelize(model: nn.Module, pc: ParallelConfig, mesh: DeviceMesh) -> nn.Mo
     return model
 
 
-def _blocks(model: nn.Module) -> list[nn.Module]:
-    layers = getattr(model, "layers", [])
-    blocks = list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
-    return blocks + [m.block for m in getattr(model, "mtp", [])]
+def compile_blocks(model: nn.Module) -> nn.Module:
+    """torch.compile each block, not the whole model: one graph is traced once and reused for every
+    layer of the same shape, a graph break (MoE's data-dependent routing) stays inside one block, and
+    FSDP's hooks stay outside the graphs."""
+    for container, name in block_slots(model):
+        getattr(container, name).compile()
+    return model

@@ -2,7 +2,10 @@
 run them under a named schedule.
 
 Stages: the layers are cut at `pp_split_points` (default: an even split). The first stage also holds
-the embedding; the last holds the final norm, the head, the MTP modules and computes the loss.
+the embedding; the last holds the final norm, the head, the MTP modules and computes the loss with the
+objective every trainer uses (model/loss.py); the MoE layers' balance loss reaches their routers
+through their own backward, in whichever stage they run. Stages compute in bf16 under autocast when
+asked (`compute_dtype`), as the single-device trainer does; backward runs outside autocast.
 Parameter names inside a stage are the full model's (`layers.5.mlp...`), so checkpoints move between
 pipelined and unpipelined layouts unchanged.
 
@@ -19,22 +22,21 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
-from torch.distributed.tensor import DTensor
 
 from seekforge.config import ParallelConfig
+from seekforge.model.dtensor import local_tensor, plain_tensor
+from seekforge.model.loss import objective
 from seekforge.model.moe import MoE
-from seekforge.model.mtp import mtp_losses
 from seekforge.parallel.mesh import ParallelMesh
 from seekforge.parallel.parallelize import parallelize
 from seekforge.parallel.tp import loss_context
-from seekforge.train.loss import IGNORE_INDEX
 
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 
@@ -42,11 +44,9 @@ V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 class StageModule(nn.Module):
     """Layers [first_layer, end_layer) of a Transformer, plus the embedding and/or the head parts."""
 
-    def __init__(self, model: nn.Module, first_layer: int, end_layer: int, is_first: bool, is_last: bool,
-                 mtp_loss_scale: float = 0.3):
+    def __init__(self, model: nn.Module, first_layer: int, end_layer: int, is_first: bool, is_last: bool):
         super().__init__()
         self.cfg, self.is_first, self.is_last = model.cfg, is_first, is_last
-        self.mtp_loss_scale = mtp_loss_scale
         self.rotary = model.rotary  # buffers only
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in range(first_layer, end_layer)})
         if is_first:
@@ -55,25 +55,28 @@ class StageModule(nn.Module):
             self.norm, self.lm_head, self.mtp = model.norm, model.lm_head, model.mtp
             if len(self.mtp) and not is_first:
                 self.embed_tokens = copy.deepcopy(model.embed_tokens)  # MTP's copy; see module docstring
+        self.compute_dtype: torch.dtype | None = None  # bf16: autocast the forward, as the trainer does
+
+    def _autocast(self, device: torch.device):
+        if self.compute_dtype is None:
+            return nullcontext()
+        return torch.autocast(device_type=device.type, dtype=self.compute_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """First stage: input ids (B, T); later stages: hidden (B, T, H). Returns hidden (B, T, H)."""
-        if self.is_first:
-            x = self.embed_tokens(x)
-        cos, sin = self.rotary(torch.arange(x.shape[1], device=x.device))
-        for layer in self.layers.values():
-            x = layer(x, cos, sin)
+        with self._autocast(x.device):
+            if self.is_first:
+                x = self.embed_tokens(x)
+            cos, sin = self.rotary(torch.arange(x.shape[1], device=x.device))
+            for layer in self.layers.values():
+                x = layer(x, cos, sin)
         return x
 
-    def loss(self, h: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The last stage's objective on the final hidden h (B, T, H); mirrors train/loss.lm_loss."""
-        logits = self.lm_head(self.norm(h))
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX)
-        if len(self.mtp) and self.mtp_loss_scale > 0:
-            cos, sin = self.rotary(torch.arange(h.shape[1], device=h.device))
-            mtp = torch.stack(mtp_losses(self, h, input_ids, labels, cos, sin, None, IGNORE_INDEX)).mean()
-            loss = loss + self.mtp_loss_scale * mtp
-        return loss
+    def loss(self, h: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor, mtp_loss_scale: float):
+        """The objective (model/loss.py) on the final hidden h (B, T, H) → (loss, metrics)."""
+        with self._autocast(h.device):
+            rope = self.rotary(torch.arange(h.shape[1], device=h.device))
+            return objective(self, h, input_ids, labels, rope, mtp_loss_scale=mtp_loss_scale)
 
 
 def stage_layer_ranges(num_layers: int, num_stages: int, split_points: list[int] | None) -> list[tuple[int, int]]:
@@ -93,17 +96,20 @@ def stage_ids_of_rank(pp_rank: int, pc: ParallelConfig) -> list[int]:
 
 
 class PipelineRunner:
-    """This rank's stages and the schedule that drives them. `step` runs one training step's forward
-    and backward over all micro-batches; the optimizer step stays with the caller."""
+    """This rank's stages and the schedule that drives them. `step` runs the forward and backward of
+    one batch over all micro-batches; the caller ends the optimizer step's accumulation with
+    `sync_tied_embedding_grads` and steps the optimizers."""
 
-    def __init__(self, model: nn.Module, pc: ParallelConfig, mesh: ParallelMesh):
-        self.pc, self.mesh = pc, mesh
+    def __init__(self, model: nn.Module, pc: ParallelConfig, mesh: ParallelMesh, mtp_loss_scale: float = 0.3,
+                 compute_dtype: torch.dtype | None = None):
+        self.pc, self.mesh, self.mtp_loss_scale = pc, mesh, mtp_loss_scale
         pp_rank = mesh["pp"].get_local_rank()
         ranges = stage_layer_ranges(model.cfg.num_hidden_layers, pc.num_stages, pc.pp_split_points)
         self.stage_ids = stage_ids_of_rank(pp_rank, pc)
         # Cut every stage before parallelizing any: the last stage copies the still-plain embedding.
         self.modules = [StageModule(model, *ranges[i], i == 0, i == pc.num_stages - 1) for i in self.stage_ids]
         for module, stage_id in zip(self.modules, self.stage_ids, strict=True):
+            module.compute_dtype = compute_dtype
             stage_pc = dataclasses.replace(pc, recompute=_stage_recompute(pc.recompute, *ranges[stage_id], module))
             parallelize(module, stage_pc, mesh)
         self.last = next((m for m in self.modules if m.is_last), None)
@@ -114,32 +120,59 @@ class PipelineRunner:
                   for m, i in zip(self.modules, self.stage_ids, strict=True)]
         schedule_class = get_schedule_class(pc.pp_schedule)
         single = issubclass(schedule_class, PipelineScheduleSingle)
-        self.schedule = schedule_class(stages[0] if single else stages, pc.microbatches, loss_fn=self._loss)
-        _keep_expert_counts(self.schedule, self.modules)
+        # scale_grads=False: the schedule would divide every gradient by the micro-batch count after
+        # each step — also what earlier steps of a gradient accumulation left. The loss is scaled instead.
+        self.schedule = schedule_class(stages[0] if single else stages, pc.microbatches, loss_fn=self._loss,
+                                       scale_grads=False)
+        self.loss_scale = 1.0  # d(step loss)/d(one micro-batch's loss), set per step
+        self._parts: list[dict[str, torch.Tensor]] = []  # the last stage's loss parts, per micro-batch
+        _exclude_metadata_inference(self.schedule, self)
 
     def _loss(self, h: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         # target (B, 2, T) carries the input ids along with the labels: MTP needs both on the last stage.
-        return self.last.loss(h, target[:, 0], target[:, 1])
+        loss, parts = self.last.loss(h, target[:, 0], target[:, 1], self.mtp_loss_scale)
+        self._parts.append({"loss": loss.detach(), **parts})
+        return loss * self.loss_scale
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for module in self.modules for p in module.parameters()]  # stages share no parameter
 
-    def step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
-        """input_ids, labels (B, T), B divisible by microbatches. Returns the mean micro-batch loss on
-        the rank holding the last stage, None elsewhere."""
+    def step(self, input_ids: torch.Tensor, labels: torch.Tensor, grad_scale: float = 1.0) -> dict[str, torch.Tensor]:
+        """Forward and backward of input_ids, labels (B, T), B divisible by microbatches; gradients
+        accumulate `grad_scale` × the gradient of the mean micro-batch loss. Returns the mean loss parts
+        (`loss`, `lm_loss`, `mtp_loss`) on the rank holding the last stage, {} elsewhere."""
+        self._check_batch(input_ids)
+        self.loss_scale = grad_scale / self.pc.microbatches
+        self._parts = []
+        with loss_context(self.mesh["tp"]):
+            self.schedule.step(input_ids, target=torch.stack([input_ids, labels], dim=1))
+        return self._mean_parts()
+
+    def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The mean loss parts of a held-out batch on the last stage's rank, {} elsewhere; call with the
+        stages in eval mode. It runs the training schedule with a zero loss scale, not the schedule's
+        `eval`: in torch 2.13 that fails on V-shaped schedules ("can't steal_bwd_input"), and each
+        switch between the two modes reruns the shape inference. The zero gradients are dropped."""
+        parts = self.step(input_ids, labels, grad_scale=0.0)
+        for param in self.parameters():
+            param.grad = None
+        return parts
+
+    def _check_batch(self, input_ids: torch.Tensor) -> None:
         if input_ids.shape[0] % self.pc.microbatches:
             raise ValueError(f"batch size {input_ids.shape[0]} is not divisible by microbatches="
                              f"{self.pc.microbatches}; change either")
-        losses = []
-        with loss_context(self.mesh["tp"]):
-            self.schedule.step(input_ids, target=torch.stack([input_ids, labels], dim=1), losses=losses)
-        self.sync_tied_embedding_grads()
-        return torch.stack([_plain(x).detach() for x in losses]).mean() if losses else None
+
+    def _mean_parts(self) -> dict[str, torch.Tensor]:
+        if not self._parts:
+            return {}
+        return {k: torch.stack([plain_tensor(p[k]).float() for p in self._parts]).mean() for k in self._parts[0]}
 
     def sync_tied_embedding_grads(self) -> None:
-        """Sum the gradients of the first stage's embedding and the last stage's MTP copy."""
+        """Sum the gradients of the first stage's embedding and the last stage's MTP copy: once per
+        optimizer step, after the last `step` of a gradient accumulation."""
         grads = [m.embed_tokens.weight.grad for m in self.modules if hasattr(m, "embed_tokens")]
-        grads = [_local(g) for g in grads if g is not None]
+        grads = [local_tensor(g) for g in grads if g is not None]
         if len(grads) == 2:  # both copies on this rank (V schedules)
             total = grads[0] + grads[1]
             for g in grads:
@@ -148,26 +181,34 @@ class PipelineRunner:
             dist.all_reduce(grads[0], group=self.tied_group)
 
 
-def _keep_expert_counts(schedule, modules: list[nn.Module]) -> None:
-    """On its first step a schedule infers the stages' shapes by running their forward (and the last
-    stage's loss, MTP included) once more (torch 2.13: `_initialize_pp_stages`; a private hook point,
-    hence the guard). That routing is not training traffic and must not steer the aux-loss-free
-    bias: the MoE token counts are restored after it."""
+def _exclude_metadata_inference(schedule, runner: PipelineRunner) -> None:
+    """On its first step, and again whenever it switches between training and evaluation, a schedule
+    infers the stages' shapes by running their forward, the last stage's loss and a backward once more
+    (torch 2.13: `_initialize_pp_stages`; a private hook point, hence the guard). That pass is not
+    training: its routing must not steer the aux-loss-free bias, its losses must not be logged and
+    its gradients must not be applied. All three are restored after it."""
     name = "_initialize_pp_stages"
     initialize = getattr(schedule, name, None)
-    moe_layers = [m for module in modules for m in module.modules() if isinstance(m, MoE)]
-    if initialize is None or not moe_layers:
+    if initialize is None:
         return
+    moe_layers = [m for module in runner.modules for m in module.modules() if isinstance(m, MoE)]
+    params = runner.parameters()
 
-    def without_counting(*args, **kwargs):
-        saved = [m.tokens_per_expert.clone() for m in moe_layers]
+    def excluded(*args, **kwargs):
+        saved_moe = [(m.tokens_per_expert.clone(), m.aux_loss) for m in moe_layers]
+        saved_grads = [p.grad for p in params]
+        saved_parts = list(runner._parts)
         try:
             return initialize(*args, **kwargs)
         finally:
-            for moe, counts in zip(moe_layers, saved, strict=True):
+            for moe, (counts, aux_loss) in zip(moe_layers, saved_moe, strict=True):
                 moe.tokens_per_expert.copy_(counts)
+                moe.aux_loss = aux_loss
+            for param, grad in zip(params, saved_grads, strict=True):
+                param.grad = grad
+            runner._parts = saved_parts
 
-    setattr(schedule, name, without_counting)
+    setattr(schedule, name, excluded)
 
 
 def _tied_embedding_group(mesh: ParallelMesh, pc: ParallelConfig):
@@ -191,11 +232,3 @@ def _stage_recompute(mode: str | list[str], first: int, end: int, module: StageM
         return mode
     num_layers = module.cfg.num_hidden_layers
     return list(mode[first:end]) + (list(mode[num_layers:]) if module.is_last else [])
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _plain(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t

@@ -12,26 +12,24 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
+from seekforge.model.model import block_slots
+
 MODES = ("none", "full", "selective")
 
 
 def apply_recompute(model: nn.Module, mode: str | list[str]) -> nn.Module:
     """mode: one of MODES for every block, or one mode per block (main layers, then MTP blocks)."""
-    layers = model.layers  # a ModuleList, or a ModuleDict keyed by layer id in a pipeline stage
-    keys = list(layers.keys()) if isinstance(layers, nn.ModuleDict) else list(range(len(layers)))
-    blocks = [layers[k] for k in keys] + [m.block for m in getattr(model, "mtp", [])]
-    modes = [mode] * len(blocks) if isinstance(mode, str) else list(mode)
-    if len(modes) != len(blocks):
-        raise ValueError(f"recompute got {len(modes)} modes for {len(blocks)} blocks; give one per block")
+    slots = block_slots(model)
+    modes = [mode] * len(slots) if isinstance(mode, str) else list(mode)
+    if len(modes) != len(slots):
+        raise ValueError(f"recompute got {len(modes)} modes for {len(slots)} blocks; give one per block")
     for m in modes:
         if m not in MODES:
             raise ValueError(f"recompute mode {m!r} is not one of {MODES}")
-    for i, (block, m) in enumerate(zip(blocks, modes, strict=True)):
+    for (container, name), m in zip(slots, modes, strict=True):
+        block = getattr(container, name)
         if m == "full":
-            if i < len(keys):
-                layers[keys[i]] = checkpoint_wrapper(block)
-            else:
-                model.mtp[i - len(keys)].block = checkpoint_wrapper(block)
+            setattr(container, name, checkpoint_wrapper(block))
         elif m == "selective":
             block.self_attn = checkpoint_wrapper(block.self_attn)
             if hasattr(block.mlp, "experts"):

@@ -38,7 +38,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from seekforge.model.model import MLP, Block
+from seekforge.model.model import Block
+from seekforge.model.moe import MLP
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> None:

@@ -1,7 +1,8 @@
 """The engine: requests in, completions out.
 
     LLMEngine   — synchronous core: add_request / abort / step. One step = schedule → run → sample →
-                  update sequences (stop checks, detokenize) → finished sequences release their blocks.
+                  update sequences (stop checks, incremental detokenization: detokenizer.py) →
+                  finished sequences release their blocks.
     LLM         — offline API: `LLM("tiny").generate(["Hello", [1, 2, 3]], SamplingParams(max_tokens=8))`.
     AsyncEngine — runs an LLMEngine on a background thread for the server: `async for out in
                   engine.generate(prompt, params)` streams cumulative RequestOutputs; leaving the loop
@@ -25,6 +26,7 @@ import torch
 from seekforge.config import EngineConfig
 from seekforge.model.model import Transformer
 from seekforge.serve.block_manager import BlockManager
+from seekforge.serve.detokenizer import IncrementalDetokenizer
 from seekforge.serve.runner import Runner, num_kv_blocks
 from seekforge.serve.sampling import sample
 from seekforge.serve.scheduler import Scheduler
@@ -53,11 +55,21 @@ class RequestOutput:
     tpot: float | None = None  # seconds per output token after the first (finished requests)
 
 
+def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    """A conversation through the tokenizer's chat template, as token ids. BOS is added unless the
+    template already wrote it (HF templates usually start with `{{ bos_token }}`): never twice."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt)
+    bos_token = getattr(tokenizer, "bos_token", None)
+    has_bos = bool(bos_token) and text.startswith(bos_token)
+    return tokenizer.encode(text, add_bos=tokenizer.bos_token_id is not None and not has_bos)
+
+
 @dataclass
 class Request:
     request_id: str
     prompt_token_ids: list[int]
     seqs: list[Sequence]
+    detokenizers: list[IncrementalDetokenizer]  # one per sequence: its output text
 
 
 class LLMEngine:
@@ -118,7 +130,8 @@ class LLMEngine:
         request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         seqs = [Sequence(request_id, i, prompt_ids, params, max_tokens, self.eos_token_id, cache_salt)
                 for i in range(params.n)]
-        return Request(request_id, prompt_ids, seqs)
+        return Request(request_id, prompt_ids, seqs, [IncrementalDetokenizer(self.tokenizer, params.stop)
+                                                      for _ in seqs])
 
     def add(self, request: Request) -> str:
         if request.request_id in self.requests:
@@ -137,9 +150,9 @@ class LLMEngine:
         if request is None:
             return None
         self.num_aborted += 1
-        for seq in request.seqs:
+        for seq, detokenizer in zip(request.seqs, request.detokenizers, strict=True):
             if not seq.is_finished:
-                self.scheduler.finish(seq, "abort")
+                self._finish(seq, detokenizer, "abort")
         return self._output(request)
 
     def has_unfinished(self) -> bool:
@@ -169,11 +182,13 @@ class LLMEngine:
                 seq.first_token_time = now
             if info is not None:
                 seq.logprobs.append(info)
-            self._check_stop(seq, token_id)
-            if seq.finish_reason is not None:
+            request = self.requests[seq.request_id]
+            detokenizer = request.detokenizers[seq.index]
+            reason = self._stop_reason(seq, token_id, detokenizer)
+            if reason is not None:
                 seq.finish_time = now
-                self.scheduler.finish(seq, seq.finish_reason)
-            touched[seq.request_id] = self.requests[seq.request_id]
+                self._finish(seq, detokenizer, reason)
+            touched[seq.request_id] = request
         self.num_steps += 1
         outputs = []
         for request in touched.values():
@@ -183,43 +198,28 @@ class LLMEngine:
             outputs.append(out)
         return outputs
 
-    def _check_stop(self, seq: Sequence, token_id: int) -> None:
-        params = seq.params
-        if token_id in seq.stop_token_ids and seq.num_output_tokens >= params.min_tokens:
-            seq.finish_reason = "stop"
-            return
-        if params.stop:
-            text = self.tokenizer.decode(seq.output_token_ids)
-            # a new token can only complete a stop string that ends in the not-yet-checked tail
-            search_from = max(0, len(seq.text) - max(len(s) for s in params.stop))
-            hits = [i for i in (text.find(s, search_from) for s in params.stop) if i >= 0]
-            seq.text = text
-            if hits and seq.num_output_tokens >= params.min_tokens:
-                seq.text = text[:min(hits)]
-                seq.finish_reason = "stop"
-                return
+    def _stop_reason(self, seq: Sequence, token_id: int, detokenizer: IncrementalDetokenizer) -> str | None:
+        """Why seq ends after its new token: "stop", "length", or None to go on. Every token but a
+        stop token goes to the text (the stop token stays in token_ids only)."""
+        past_min_tokens = seq.num_output_tokens >= seq.params.min_tokens
+        if token_id in seq.stop_token_ids and past_min_tokens:
+            return "stop"
+        if detokenizer.add(token_id, check_stop=past_min_tokens):
+            return "stop"  # a stop string completed; the text ends just before it
         if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
-            seq.finish_reason = "length"
+            return "length"
+        return None
 
-    def _text(self, seq: Sequence) -> str:
-        if seq.finish_reason == "stop" and seq.params.stop and seq.token_ids[-1] not in seq.stop_token_ids:
-            return seq.text  # cut at the stop string
-        ids = seq.output_token_ids
-        if ids and seq.finish_reason == "stop" and ids[-1] in seq.stop_token_ids:
-            ids = ids[:-1]  # the stop token is in token_ids, not in the text
-        text = self.tokenizer.decode(ids)
-        if not seq.is_finished:
-            # While streaming, hold back what may still change: a partial UTF-8 character, or the start
-            # of a stop string that the next tokens may complete (it must never be sent).
-            text = text.rstrip("\ufffd")
-            if seq.params.stop:
-                text = text[:max(0, len(text) - max(len(s) for s in seq.params.stop) + 1)]
-        return text
+    def _finish(self, seq: Sequence, detokenizer: IncrementalDetokenizer, reason: str) -> None:
+        detokenizer.finish(check_stop=seq.num_output_tokens >= seq.params.min_tokens)
+        self.scheduler.finish(seq, reason)
 
     def _output(self, request: Request) -> RequestOutput:
         seqs = request.seqs
-        outputs = [CompletionOutput(s.index, self._text(s), s.output_token_ids, s.finish_reason,
-                                    list(s.logprobs) if s.params.logprobs is not None else None) for s in seqs]
+        # while running, only text that can no longer change or be cut by a stop string
+        outputs = [CompletionOutput(s.index, d.text if s.is_finished else d.streamable_text, s.output_token_ids,
+                                    s.finish_reason, list(s.logprobs) if s.params.logprobs is not None else None)
+                   for s, d in zip(seqs, request.detokenizers, strict=True)]
         finished = all(s.is_finished for s in seqs)
         first = [s.first_token_time for s in seqs if s.first_token_time is not None]
         ttft = min(first) - seqs[0].arrival_time if first else None
@@ -246,7 +246,7 @@ class LLM:
     `tokenizer`, default the byte tokenizer). Other keyword arguments are `EngineConfig` fields."""
 
     def __init__(self, model: str | Transformer = "tiny", tokenizer=None, dtype=torch.float32, **engine_kwargs):
-        from seekforge.generate import load_model
+        from seekforge.model.load import load_model
         from seekforge.model.tokenizer import load_tokenizer
 
         if isinstance(model, Transformer):
@@ -287,8 +287,7 @@ class LLM:
         """One conversation ([{"role", "content"}, ...]) or a list of them, through the chat template."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        prompts = [self.tokenizer.apply_chat_template(c) for c in conversations]
-        return self.generate(prompts, sampling_params)
+        return self.generate([chat_prompt_ids(self.tokenizer, c) for c in conversations], sampling_params)
 
 
 class AsyncEngine:

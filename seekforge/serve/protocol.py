@@ -17,8 +17,8 @@ from seekforge.serve.sequence import SamplingParams
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
+    include_usage: bool = False  # a last chunk with the request's usage and no choices
+    continuous_usage_stats: bool = False  # vLLM: also every chunk carries the usage so far
 
 
 class _Sampling(BaseModel):
@@ -48,6 +48,11 @@ class _Sampling(BaseModel):
         """The first field set to something seekforge cannot do, with the reason, else None."""
         if self.logit_bias:
             return "logit_bias is not supported; remove it"
+        if self.stream_options and not self.stream:
+            return "stream_options is only allowed with stream=true"
+        if self.stream_options and self.stream_options.continuous_usage_stats \
+                and not self.stream_options.include_usage:
+            return "stream_options.continuous_usage_stats needs include_usage=true"
         return None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:

@@ -84,7 +84,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             bm.admit(seq, hit_blocks, hit_hashes)
-            assert bm.allocate(seq, num_new)
+            allocated = bm.allocate(seq, num_new)  # outside the assert: `python -O` strips asserts
+            assert allocated, "can_admit promised the blocks"
             seq.status = Status.RUNNING
             self.running.append(seq)
             batch.seqs.append(seq)

@@ -109,7 +109,6 @@ class Sequence:
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed + index)
         self.logprobs: list[dict] = []  # per output token: {"token_id", "logprob", "top": [(id, logprob)]}
-        self.text = ""  # detokenized output, cut at a stop string
         self.finish_reason: str | None = None
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None

@@ -1,7 +1,8 @@
 """OpenAI-compatible HTTP server: `seekforge serve --model DIR_OR_PRESET` (default: the `tiny` preset).
 
-Endpoints: /v1/completions, /v1/chat/completions (both with SSE streaming and a final usage chunk
-under stream_options.include_usage), /v1/models, /health, /metrics (Prometheus).
+Endpoints: /v1/completions, /v1/chat/completions (both with SSE streaming, a final usage chunk under
+stream_options.include_usage, and the usage so far in every chunk under continuous_usage_stats, as in
+vLLM), /v1/models, /health, /metrics (Prometheus).
 Every bad request gets a 400 in OpenAI's error shape ({"error": {"message", "type", "param",
 "code"}}); the engine keeps running. A client that disconnects has its request aborted and its KV
 blocks freed.
@@ -21,7 +22,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from seekforge.serve.engine import AsyncEngine, RequestOutput
+from seekforge.serve.engine import AsyncEngine, RequestOutput, chat_prompt_ids
 from seekforge.serve.metrics import ServerMetrics
 from seekforge.serve.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -134,10 +135,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
         check(req)
         if not req.messages:
             raise APIError("messages is empty; give at least one message", param="messages")
-        text = tokenizer.apply_chat_template([m.as_dict() for m in req.messages], req.add_generation_prompt)
-        bos = tokenizer.bos_token_id
-        starts_with_bos = bool(getattr(tokenizer, "bos_token", None)) and text.startswith(tokenizer.bos_token)
-        prompt_ids = tokenizer.encode(text, add_bos=bos is not None and not starts_with_bos)
+        prompt_ids = chat_prompt_ids(tokenizer, [m.as_dict() for m in req.messages], req.add_generation_prompt)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = req.sampling_params(req.max_new_tokens, logprobs)
         streams = [engine.generate(prompt_ids, params, cache_salt=req.cache_salt)]
@@ -171,24 +169,24 @@ def _usage(finals: list[RequestOutput]) -> dict:
             "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in finals)}}
 
 
-def _token_text(tokenizer, token_id: int) -> str:
+def _single_token_text(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id])
 
 
 def _completion_logprobs(tokenizer, entries: list[dict]) -> dict:
-    tokens = [_token_text(tokenizer, e["token_id"]) for e in entries]
+    tokens = [_single_token_text(tokenizer, e["token_id"]) for e in entries]
     offsets, pos = [], 0
     for t in tokens:
         offsets.append(pos)
         pos += len(t)
     return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{_token_text(tokenizer, i): lp for i, lp in e["top"]} for e in entries],
+            "top_logprobs": [{_single_token_text(tokenizer, i): lp for i, lp in e["top"]} for e in entries],
             "text_offset": offsets}
 
 
 def _chat_logprobs(tokenizer, entries: list[dict]) -> list[dict]:
     def one(token_id, logprob):
-        text = _token_text(tokenizer, token_id)
+        text = _single_token_text(tokenizer, token_id)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
     return [{**one(e["token_id"], e["logprob"]), "top_logprobs": [one(i, lp) for i, lp in e["top"]]}
@@ -255,24 +253,32 @@ async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[t
 
 async def _stream_chunks(streams, n: int, req, rid: str, created: int, obj: str, choice, metrics,
                          model_name: str, role_first: bool = False) -> AsyncIterator[str]:
-    """SSE chunks: text deltas per choice; then, if asked, one usage chunk with no choices."""
-
-    def chunk(choices, usage=None):
-        body = {"id": rid, "object": obj, "created": created, "model": model_name, "choices": choices}
-        if usage is not None:
-            body["usage"] = usage
-        return f"data: {json.dumps(body)}\n\n"
-
+    """SSE chunks: text deltas per choice; then, if asked, one usage chunk with no choices. With
+    stream_options.continuous_usage_stats every chunk also carries the request's usage so far."""
+    continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+    num_prompt_tokens: dict[int, int] = {}  # per stream, from its first output
     sent_text: dict[int, int] = {}
     sent_tokens: dict[int, int] = {}
     finished_choices: set[int] = set()
     finals: dict[int, RequestOutput] = {}
-    if role_first:
-        for i in range(n * len(streams)):
-            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None}])
+
+    def chunk(choices, usage=None):
+        body = {"id": rid, "object": obj, "created": created, "model": model_name, "choices": choices}
+        if usage is None and continuous:
+            prompt, completion = sum(num_prompt_tokens.values()), sum(sent_tokens.values())
+            usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        if usage is not None:
+            body["usage"] = usage
+        return f"data: {json.dumps(body)}\n\n"
+
     try:
         async for k, out in _merge(streams):
+            if k not in num_prompt_tokens:
+                num_prompt_tokens[k] = len(out.prompt_token_ids)
+                if role_first:
+                    for c in out.outputs:
+                        yield chunk([{"index": k * n + c.index, "delta": {"role": "assistant", "content": ""},
+                                      "logprobs": None, "finish_reason": None}])
             for c in out.outputs:
                 i = k * n + c.index
                 if i in finished_choices:
@@ -282,9 +288,9 @@ async def _stream_chunks(streams, n: int, req, rid: str, created: int, obj: str,
                 # one chunk per step that produced tokens, even when their text is still held back
                 # (partial UTF-8, possible stop string): clients and `bench serve` time tokens by chunk
                 if len(c.token_ids) > sent_tokens.get(i, 0) or c.finish_reason:
-                    yield chunk([choice(i, c, text, entries, c.finish_reason)])
                     sent_text[i] = len(c.text)
                     sent_tokens[i] = len(c.token_ids)
+                    yield chunk([choice(i, c, text, entries, c.finish_reason)])
                 if c.finish_reason:
                     finished_choices.add(i)
             if out.finished:
@@ -336,7 +342,7 @@ def run(args):
     import torch
     import uvicorn
 
-    from seekforge.generate import load_model
+    from seekforge.model.load import load_model
     from seekforge.serve.engine import LLMEngine
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")

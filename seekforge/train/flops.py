@@ -57,3 +57,9 @@ def measure_peak_flops(dtype: torch.dtype = torch.bfloat16, device: str | torch.
             sync()
     sync()
     return 2 * size**3 * iters / (time.perf_counter() - start)
+
+
+def model_flops_utilization(flops_per_s: float, peak_flops: float) -> float:
+    """Achieved / peak, at most 1: a rate above the probe's peak means the probe ran slow (a loaded
+    machine, a cold thread pool), and the true peak is at least what was achieved."""
+    return flops_per_s / max(peak_flops, flops_per_s)

@@ -1,8 +1,10 @@
 """The pretraining loop on an already-built (and possibly already-parallelized) model.
 
-One optimizer step = `grad_accum` micro-batches of forward (bf16 autocast over fp32 master weights)
-and backward on loss = lm + λ·mtp + aux (train/loss.py), a global grad-norm clip, AdamW, the LR
-schedule, then the aux-loss-free expert-bias update from that step's global expert loads.
+One optimizer step = `grad_accum` micro-batches of forward (bf16 autocast over fp32 master weights
+where the hardware runs bf16 fast, fp32 elsewhere: model/precision.py) and backward on the objective
+of model/loss.py (lm + λ·mtp; each MoE layer adds its balance loss to its own backward), a global
+grad-norm clip, AdamW, the LR schedule, then the aux-loss-free expert-bias update from that step's
+global expert loads.
 
 Distributed seam: nothing here builds parallelism; the model arrives parallelized (parallel/
 parallelize) and the loader yields this data-parallel rank's slice of the global batch. With a
@@ -12,8 +14,8 @@ batch), only rank 0 logs, and checkpoints are DCP (each rank writes its shards).
 
 Pipeline parallelism: `model` is then a PipelineRunner (parallel/pp.py). Each of this rank's stages
 has its own optimizer (checkpoint names stay per stage), the schedule runs forward and backward of
-every micro-batch, the grad norm adds up over the pipeline ranks, and the logged loss comes from the
-last stage. Its loss parts (lm/mtp) and held-out evaluation are not computed there.
+every micro-batch with the same objective, the grad norm and the balance loss add up over the pipeline
+ranks, and the loss parts and the held-out loss come from the last stage.
 """
 
 from __future__ import annotations
@@ -26,17 +28,19 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 from seekforge.config import TrainConfig
+from seekforge.model.dtensor import plain_tensor
+from seekforge.model.loss import lm_loss
 from seekforge.model.moe import MoE
+from seekforge.model.precision import resolve_dtype
+from seekforge.parallel.parallelize import compile_blocks
 from seekforge.parallel.recompute import apply_recompute
 from seekforge.parallel.tp import loss_context
 from seekforge.train.balance import update_expert_bias
 from seekforge.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from seekforge.train.flops import flops_per_token, measure_peak_flops
-from seekforge.train.loss import lm_loss
+from seekforge.train.flops import flops_per_token, measure_peak_flops, model_flops_utilization
 from seekforge.train.metrics import MetricsLogger, plot_loss_curve
 from seekforge.train.optim import build_optimizer, clip_grad_norm
 
@@ -47,22 +51,12 @@ def prepare_model(model, cfg: TrainConfig):
     if cfg.recompute != "none":
         apply_recompute(model, cfg.recompute)
     if cfg.compile:
-        # Per block, not the whole model: one graph is traced once and reused for every layer of the
-        # same shape, and a graph break (MoE's data-dependent routing) stays inside one block.
-        for layer in model.layers:
-            layer.compile()
-        for module in model.mtp:
-            module.block.compile()
+        compile_blocks(model)
     return model
 
 
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
-
-
-def _plain(t: torch.Tensor) -> torch.Tensor:
-    """A loss computed under TP's loss_parallel is a replicated DTensor; its value is the local one."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 class Trainer:
@@ -92,15 +86,26 @@ class Trainer:
         built = [build_optimizer(m, cfg) for m in self.modules]
         self.optimizers, self.schedulers = [o for o, _ in built], [s for _, s in built]
         self.moe_layers = [m for module in self.modules for m in module.modules() if isinstance(m, MoE)]
+        # Forward passes per optimizer step: gradient accumulation × pipeline micro-batches.
+        self.forwards_per_step = cfg.grad_accum * (self.runner.pc.microbatches if self.runner else 1)
         for moe in self.moe_layers:
-            moe.aux_loss_coeff = cfg.aux_loss_coeff
+            moe.aux_loss_coeff, moe.aux_grad_scale = cfg.aux_loss_coeff, 1 / self.forwards_per_step
+        model_cfg = self.modules[0].cfg
+        # The same names on every rank (all-reduced together); ranks without the last stage send zeros.
+        self.loss_names = ["loss", "lm_loss"]
+        if cfg.mtp_loss_scale > 0 and model_cfg.num_nextn_predict_layers:
+            self.loss_names.append("mtp_loss")
+        if cfg.aux_loss_coeff > 0 and model_cfg.num_moe_layers:
+            self.loss_names.append("aux_loss")
         self.ckpt_root = self.out_dir / "checkpoints"
         self.step = 0  # optimizer steps taken
         self.tokens_per_step = cfg.micro_batch_size * cfg.seq_len * cfg.grad_accum  # global batch
         self.num_devices = dist.get_world_size() if _distributed() else 1
-        self.flops_per_token = flops_per_token(self.modules[0].cfg, cfg.seq_len, with_mtp=cfg.mtp_loss_scale > 0)
-        probe_dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
-        self.peak_flops = cfg.peak_flops or measure_peak_flops(probe_dtype, self.device)
+        self.flops_per_token = flops_per_token(model_cfg, cfg.seq_len, with_mtp=cfg.mtp_loss_scale > 0)
+        self.compute_dtype, self.dtype_reason = resolve_dtype(cfg.dtype, self.device)
+        # The peak of the dtype the matmuls really run in: a bf16 probe on a CPU without native bf16
+        # measures ~1% of what fp32 training reaches (and an MFU of hundreds of percent).
+        self.peak_flops = cfg.peak_flops or measure_peak_flops(self.compute_dtype, self.device)
         self._iterator = iter(loader)
 
     # ------------------------------------------------------------------ state
@@ -121,7 +126,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
     def _autocast(self):
-        if self.cfg.dtype == "bf16":
+        if self.compute_dtype == torch.bfloat16:
             return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
         return nullcontext()
 
@@ -139,20 +144,25 @@ class Trainer:
         start = time.perf_counter()
         for module in self.modules:
             module.train()
-        sums: dict[str, torch.Tensor] = {}
+        sums = dict.fromkeys(self.loss_names, torch.zeros((), device=self.device))
         for _ in range(cfg.grad_accum):
             batch = self._next_batch()
             if self.runner is not None:  # forward and backward of all pipeline micro-batches
-                loss, parts = self.runner.step(batch["input_ids"], batch["labels"]), {}
-                loss = torch.zeros((), device=self.device) if loss is None else loss  # None off the last stage
+                parts = self.runner.step(batch["input_ids"], batch["labels"], grad_scale=1 / cfg.grad_accum)
             else:
                 with loss_context(self.tp_mesh):
                     with self._autocast():
                         loss, parts = lm_loss(self.model, batch["input_ids"], batch["labels"],
                                               batch.get("positions"), batch.get("segment_ids"), cfg.mtp_loss_scale)
                     (loss / cfg.grad_accum).backward()
-            for name, value in {"loss": loss.detach(), **parts}.items():
-                sums[name] = sums.get(name, 0) + _plain(value).float() / cfg.grad_accum
+                parts = {"loss": loss.detach(), **parts}
+            for name, value in parts.items():
+                sums[name] = sums[name] + plain_tensor(value).float() / cfg.grad_accum
+        if self.runner is not None:
+            self.runner.sync_tied_embedding_grads()
+        if "aux_loss" in sums:  # the balance loss is part of the step's loss, from every pipeline stage
+            sums["aux_loss"] = self._take_aux_loss()
+            sums["loss"] = sums["loss"] + sums["aux_loss"]
         max_norm = cfg.clip if cfg.clip > 0 else math.inf  # inf: measure the norm, clip nothing
         params = [p for module in self.modules for p in module.parameters()]
         grad_norm = clip_grad_norm(params, max_norm, self.pp_group, self.duplicates)
@@ -164,47 +174,64 @@ class Trainer:
         imbalance = update_expert_bias(self.moe_layers, cfg.bias_update_speed, self.dp_group)
         self.step += 1
 
-        # The mean over the ranks that hold a loss: all of them, or the last pipeline stage's. TP
-        # replicas hold equal values, so this is the data-parallel mean.
-        holds_loss = float(self.runner is None or self.runner.last is not None)
-        names = sorted(sums)
-        values = torch.stack([sums[n] for n in names] + [grad_norm.float().to(sums["loss"].device),
-                                                         torch.ones((), device=sums["loss"].device)]) * holds_loss
-        if _distributed():
-            dist.all_reduce(values)
-        values = (values[:-1] / values[-1]).tolist()  # one device→host sync per step
+        values = self._mean_over_loss_ranks([sums[n] for n in self.loss_names] + [grad_norm.float()])
         elapsed = time.perf_counter() - start
         tokens_per_s = self.tokens_per_step / elapsed
-        metrics = dict(zip(names, values[:-1], strict=True))
+        metrics = dict(zip(self.loss_names, values[:-1], strict=True))
         metrics.update(grad_norm=values[-1], lr=lr, tokens_per_s=tokens_per_s, step_time_s=elapsed,
-                       mfu=tokens_per_s * self.flops_per_token / (self.peak_flops * self.num_devices))
+                       mfu=self._mfu(tokens_per_s))
         if imbalance:
             metrics["expert_imbalance"] = imbalance  # max/mean tokens per expert, per MoE layer
             metrics["expert_imbalance_max"] = max(imbalance)
         return metrics
 
-    @torch.no_grad()
+    def _take_aux_loss(self) -> torch.Tensor:
+        """The mean over this step's forward passes of Σ_layers balance loss, reset for the next step;
+        under a pipeline, summed over the stages' ranks."""
+        total = torch.zeros((), device=self.device)
+        for moe in self.moe_layers:
+            total = total + moe.aux_loss
+            moe.aux_loss = 0.0
+        if self.pp_group is not None:
+            dist.all_reduce(total, group=self.pp_group)
+        return total / self.forwards_per_step
+
+    def _mean_over_loss_ranks(self, values: list[torch.Tensor]) -> list[float]:
+        """Scalars averaged over the ranks that hold the loss: every rank, or those of the last
+        pipeline stage. TP replicas hold equal values, so this is the data-parallel mean. One
+        device→host sync."""
+        holds_loss = float(self.runner is None or self.runner.last is not None)
+        values = torch.stack([v.to(self.device) for v in values] + [torch.ones((), device=self.device)]) * holds_loss
+        if _distributed():
+            dist.all_reduce(values)
+        return (values[:-1] / values[-1]).tolist()
+
+    def _mfu(self, tokens_per_s: float) -> float:
+        return model_flops_utilization(tokens_per_s * self.flops_per_token / self.num_devices, self.peak_flops)
+
     def evaluate(self) -> float:
         """Mean lm loss over the fixed held-out batches. MoE token counts are restored afterwards:
         evaluation traffic must not steer the balancing bias."""
-        if not self.eval_batches or self.runner is not None:
+        if not self.eval_batches:
             return float("nan")
         saved_counts = [m.tokens_per_expert.clone() for m in self.moe_layers]
-        self.model.eval()
+        for module in self.modules:
+            module.eval()
         losses = []
         for batch in self.eval_batches:
             batch = {k: v.to(self.device) for k, v in batch.items()}
-            with loss_context(self.tp_mesh), self._autocast():
-                _, parts = lm_loss(self.model, batch["input_ids"], batch["labels"], batch.get("positions"),
-                                   batch.get("segment_ids"), mtp_loss_scale=0.0)
-            losses.append(_plain(parts["lm_loss"]).float())
-        self.model.train()
+            if self.runner is not None:
+                parts = self.runner.evaluate(batch["input_ids"], batch["labels"])
+            else:
+                with torch.no_grad(), loss_context(self.tp_mesh), self._autocast():
+                    _, parts = lm_loss(self.model, batch["input_ids"], batch["labels"], batch.get("positions"),
+                                       batch.get("segment_ids"), mtp_loss_scale=0.0)
+            losses.append(plain_tensor(parts["lm_loss"]).float() if parts else torch.zeros((), device=self.device))
+        for module in self.modules:
+            module.train()
         for moe, counts in zip(self.moe_layers, saved_counts, strict=True):
             moe.tokens_per_expert.copy_(counts)
-        loss = torch.stack(losses).mean()
-        if _distributed():
-            dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.dp_group)
-        return loss.item()
+        return self._mean_over_loss_ranks([torch.stack(losses).mean()])[0]
 
     # ------------------------------------------------------------------ the loop
     def fit(self, stop_at: int | None = None) -> list[dict]:
@@ -253,7 +280,7 @@ class Trainer:
         if "eval_loss" in last:
             parts.append(f"eval {last['eval_loss']:.4f}")
         parts += [f"lr {last['lr']:.2e}", f"gnorm {last['grad_norm']:.2f}", f"{tokens_per_s:,.0f} tok/s",
-                  f"MFU {100 * tokens_per_s * self.flops_per_token / (self.peak_flops * self.num_devices):.1f}%"]
+                  f"MFU {100 * self._mfu(tokens_per_s):.1f}%"]
         if "expert_imbalance_max" in last:
             parts.append(f"imbalance {last['expert_imbalance_max']:.2f}")
         rate = bar.format_dict.get("rate")

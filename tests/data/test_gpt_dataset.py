@@ -1,20 +1,20 @@
 """dataset.py: windows cover the token stream, labels are inputs shifted by one, seeded order,
-per-document positions/segments, blending proportions, exact BatchLoader resume, build_dataset specs."""
+per-document positions/segments, blending proportions, exact BatchLoader resume, build_datasets specs."""
 
 import numpy as np
 import pytest
 import torch
 
 from seekforge.data.dataset import (
-    IGNORE_INDEX,
     BatchLoader,
     BlendedDataset,
     GPTDataset,
     TokenDocuments,
-    build_dataset,
+    build_datasets,
     parse_blend,
 )
 from seekforge.data.indexed import IndexedDatasetBuilder
+from seekforge.model.loss import IGNORE_INDEX
 from seekforge.model.tokenizer import ByteTokenizer
 
 
@@ -136,10 +136,14 @@ def test_parse_blend():
 
 def test_build_dataset_specs(tmp_path):
     tokenizer = ByteTokenizer()
-    text = build_dataset("builtin:text", tokenizer, seq_len=64, seed=0, num_samples=40)
+
+    def train_set(spec, seq_len, num_samples):
+        return build_datasets(spec, tokenizer, seq_len, 0, (num_samples, 0, 0), "969,30,1")[0]
+
+    text = train_set("builtin:text", 64, 40)
     assert len(text) >= 40 and text[0]["input_ids"].shape == (64,)
     assert (text.documents.get(0)[-1] == tokenizer.eos_token_id)  # every document ends in EOS
-    again = build_dataset("builtin:text", tokenizer, seq_len=64, seed=0, num_samples=40)
+    again = train_set("builtin:text", 64, 40)
     assert np.array_equal(text[3]["labels"], again[3]["labels"])
 
     with IndexedDatasetBuilder(tmp_path / "d_text_document", np.uint16) as builder:
@@ -147,9 +151,9 @@ def test_build_dataset_specs(tmp_path):
             builder.add_document(tokenizer.encode(f"document number {i}.") + [tokenizer.eos_token_id])
         builder.finalize()
     prefix = str(tmp_path / "d_text_document")
-    assert len(build_dataset(prefix, tokenizer, 16, 0, 10)) >= 10
-    assert len(build_dataset(prefix + ".bin", tokenizer, 16, 0, 10)) >= 10
-    blend = build_dataset(f"0.5 {prefix} 0.5 builtin:arithmetic", tokenizer, 16, 0, 100)
+    assert len(train_set(prefix, 16, 10)) >= 10
+    assert len(train_set(prefix + ".bin", 16, 10)) >= 10
+    blend = train_set(f"0.5 {prefix} 0.5 builtin:arithmetic", 16, 100)
     assert len(blend) == 100
     assert np.bincount(blend.dataset_index).tolist() == [50, 50]
     for i in range(0, 100, 7):
@@ -158,6 +162,6 @@ def test_build_dataset_specs(tmp_path):
     assert b"Q: " in bytes(blend.datasets[1].documents.get(0)[:-1].astype(np.uint8))
 
     with pytest.raises(ValueError, match="builtin:arithmetic, builtin:text"):
-        build_dataset("builtin:nope", tokenizer, 16, 0, 10)
+        train_set("builtin:nope", 16, 10)
     with pytest.raises(ValueError, match="does not exist"):
-        build_dataset(str(tmp_path / "missing"), tokenizer, 16, 0, 10)
+        train_set(str(tmp_path / "missing"), 16, 10)

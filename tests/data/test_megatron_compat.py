@@ -1,12 +1,13 @@
-"""seekforge's .bin/.idx is Megatron-LM's: each side reads what the other wrote, token for token, and
-the sample/blend index builders match Megatron's C++ helpers exactly."""
+"""seekforge's .bin/.idx is Megatron-LM's: each side reads what the other wrote, token for token, the
+sample/blend index builders match Megatron's C++ helpers exactly, and --split cuts the same document
+ranges as megatron-core's dataset builder."""
 
 import warnings
 
 import numpy as np
 import pytest
 
-from seekforge.data.dataset import GPTDataset, TokenDocuments, blend_indices
+from seekforge.data.dataset import GPTDataset, TokenDocuments, blend_indices, split_document_ranges
 from seekforge.data.indexed import IndexedDataset, IndexedDatasetBuilder, optimal_dtype
 
 with warnings.catch_warnings():  # megatron.core warns at import that Transformer Engine / Apex are absent
@@ -75,8 +76,9 @@ def test_sample_index_matches_megatron_helper():
 
     rng = np.random.default_rng(0)
     docs = TokenDocuments([rng.integers(0, 100, size=n) for n in rng.integers(1, 40, size=25)])
-    for seq_len, num_samples in [(8, 10), (16, 200), (7, 3)]:  # one epoch, many epochs, tiny
-        ds = GPTDataset(docs, seq_len, num_samples, seed=3)
+    split_range = np.arange(5, 20)  # a split's documents, as Megatron's indexed_indices
+    for seq_len, num_samples, document_ids in [(8, 10, None), (16, 200, None), (7, 3, None), (8, 60, split_range)]:
+        ds = GPTDataset(docs, seq_len, num_samples, seed=3, document_ids=document_ids)
         theirs = helpers_cpp.build_sample_idx_int64(
             docs.sequence_lengths, ds.document_index.astype(np.int32), seq_len, ds.num_epochs,
             ds.tokens_per_epoch, True, 1)
@@ -94,3 +96,40 @@ def test_blend_indices_match_megatron_helper():
     ours = blend_indices(weights, size)
     np.testing.assert_array_equal(ours[0], dataset_index)
     np.testing.assert_array_equal(ours[1], dataset_sample_index)
+
+
+def _megatron_split_ranges(split: str, num_documents: int) -> list:
+    """The document ids megatron-core's BlendedMegatronDatasetBuilder gives each split of a dataset of
+    num_documents sequences (None: a split it does not build), read from the indexed_indices it passes
+    to the dataset class — here a stand-in that only records them."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.blended_megatron_dataset_config import BlendedMegatronDatasetConfig
+
+    class SplitRecorder:
+        def __init__(self, low_level_dataset, path, indexed_indices, num_samples, index_split, config):
+            self.indexed_indices = indexed_indices
+
+        def __len__(self):
+            return len(self.indexed_indices)
+
+        @staticmethod
+        def build_low_level_dataset(path, config):
+            return None
+
+        @staticmethod
+        def numel_low_level_dataset(low_level_dataset):
+            return num_documents
+
+    config = BlendedMegatronDatasetConfig(random_seed=0, sequence_length=8, blend=(["docs"], None), split=split)
+    built = BlendedMegatronDatasetBuilder(SplitRecorder, [None] * 3, lambda: True, config).build()
+    return [None if ds is None else ds.indexed_indices.tolist() for ds in built]
+
+
+@pytest.mark.parametrize("split", ["969,30,1", "99,1,0", "98,2", "8,1,1", "1,1,1", "1,1,2", "90,0,10", "100",
+                                   "0.7,0.2,0.1", "33,33,34"])
+def test_split_ranges_match_megatron_builder(split):
+    for num_documents in [*range(1, 64), 99, 100, 1000, 12345, 1_000_003]:
+        theirs = _megatron_split_ranges(split, num_documents)
+        ours = split_document_ranges(split, num_documents)
+        for mine, megatron in zip(ours, theirs, strict=True):
+            assert list(mine) == (megatron if megatron is not None else []), (split, num_documents)

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from seekforge.config import preset
-from seekforge.data.dataset import IGNORE_INDEX
 from seekforge.data.packing import best_fit_bins, pack
+from seekforge.model.loss import IGNORE_INDEX
 from seekforge.model.model import Transformer
 
 

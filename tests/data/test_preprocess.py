@@ -6,7 +6,7 @@ import json
 import pytest
 
 from seekforge.cli import main
-from seekforge.data.dataset import build_dataset
+from seekforge.data.dataset import build_datasets
 from seekforge.data.indexed import IndexedDataset
 from seekforge.data.preprocess import preprocess
 from seekforge.model.tokenizer import ByteTokenizer
@@ -35,7 +35,8 @@ def test_cli_end_to_end(tmp_path, corpus, capsys):
     for i, text in enumerate(TEXTS):
         assert ds[i].tolist() == tokenizer.encode(text) + [tokenizer.eos_token_id]
     # and the trainer can read it
-    assert len(build_dataset(str(tmp_path / "out_text_document"), tokenizer, 32, 0, 100)) >= 100
+    train, valid, _ = build_datasets(str(tmp_path / "out_text_document"), tokenizer, 32, 0, (100, 8, 0), "969,30,1")
+    assert len(train) >= 100 and len(valid) >= 8
 
 
 def test_workers_do_not_change_output(tmp_path, corpus):

@@ -18,7 +18,7 @@ from seekforge.model.model import build_model
 from seekforge.parallel.mesh import build_mesh
 from seekforge.parallel.parallelize import parallelize
 from seekforge.parallel.tp import loss_context
-from seekforge.train.loss import lm_loss
+from seekforge.model.loss import lm_loss
 
 STEPS, BATCH, SEQ = 3, 4, 16
 
@@ -98,8 +98,9 @@ def run_layout(cfg_overrides: dict, pc_kwargs: dict, steps: tuple[int, int] = (0
     losses = []
     for s in range(*steps):
         if pc.pp > 1:
-            loss = runner.step(inputs[s, rows], labels[s, rows])
-            loss = torch.zeros(()) if loss is None else loss.clone()  # only last-stage ranks hold one
+            parts = runner.step(inputs[s, rows], labels[s, rows])
+            runner.sync_tied_embedding_grads()
+            loss = parts["loss"].clone() if parts else torch.zeros(())  # only last-stage ranks hold one
         else:
             with loss_context(mesh["tp"]):
                 loss, _ = lm_loss(model, inputs[s, rows], labels[s, rows])

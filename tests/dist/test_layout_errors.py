@@ -25,7 +25,6 @@ def test_layout_checks(layout, world, message):
 @pytest.mark.parametrize("layout, message", [
     (dict(dp_shard=2, ep=4), r"ep=4 does not divide dp_shard=2"),
     (dict(pp_schedule="Zigzag"), r"pp_schedule='Zigzag': choose one of"),
-    (dict(cp=2), r"context parallelism is not implemented; set cp=1"),
     (dict(tp=0), r"tp=0: must be a positive integer"),
     (dict(tp=2, pp=2, sequence_parallel=True), r"sequence_parallel=True with pp > 1 is not supported"),
 ])

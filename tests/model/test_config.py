@@ -55,3 +55,12 @@ def test_from_hf_keeps_unknown_keys_and_reads_both_rope_layouts(tmp_path):
     bad.write_text("{not json")
     with pytest.raises(ValueError, match="config.json"):
         ModelConfig.from_hf(tmp_path)
+
+
+def test_parse_bytes():
+    from seekforge.config import parse_bytes
+
+    assert parse_bytes("5GB") == 5 * 10**9 and parse_bytes("2MiB") == 2**21 and parse_bytes(1000) == 1000
+    assert parse_bytes("512mib") == 2**29 and parse_bytes("4096") == 4096
+    with pytest.raises(ValueError, match="EngineConfig.kv_cache_memory 'lots' is not a size"):
+        parse_bytes("lots", "EngineConfig.kv_cache_memory")

@@ -14,6 +14,8 @@ from seekforge.model.moe import (
     select_experts,
 )
 
+HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")  # the declared torch range starts before it
+
 
 def moe_reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     """Token-by-token, expert-by-expert loop: the definition the dropless path must equal."""
@@ -83,12 +85,15 @@ def test_grouped_mm_equals_loop(dtype, counts):
     ref = grouped_mm_reference(x, w, counts)
     assert ref.shape == (x.shape[0], 48)
     torch.testing.assert_close(grouped_mm(x, w, counts), ref, atol=tol, rtol=tol)
+    if not HAS_GROUPED_MM:
+        return
     # The grouped-GEMM kernel itself (the dispatcher uses it wherever it is faster, e.g. on GPU).
     offsets = counts.cumsum(0).to(torch.int32)
     kernel = torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
     torch.testing.assert_close(kernel, ref, atol=tol, rtol=tol)
 
 
+@pytest.mark.skipif(not HAS_GROUPED_MM, reason="older torch without _grouped_mm")
 def test_grouped_mm_kernel_backward_matches_loop():
     counts = torch.tensor([3, 9, 0, 4])
     offsets = counts.cumsum(0).to(torch.int32)
@@ -173,7 +178,7 @@ def test_meta_init_allocates_nothing():
 
 
 def test_mtp_loss_trains_mtp_module():
-    from seekforge.train.loss import lm_loss
+    from seekforge.model.loss import lm_loss
 
     cfg = preset("tiny")
     model = build_model(cfg)

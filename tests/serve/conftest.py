@@ -3,6 +3,7 @@ server on 127.0.0.1 (free port, stopped at teardown)."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -55,15 +56,26 @@ class LiveServer:
         self.thread.join(timeout=10)
 
 
-@pytest.fixture(scope="module")
-def live_server(tiny_model, byte_tokenizer):
+@contextlib.contextmanager
+def serving(model, tokenizer, config: EngineConfig, api_key: str | None = None):
+    """A live server (model name "tiny") over a fresh engine; `.engine` is its AsyncEngine."""
     from seekforge.serve.engine import AsyncEngine, LLMEngine
     from seekforge.serve.server import build_app
 
-    engine = AsyncEngine(LLMEngine(tiny_model, byte_tokenizer, EngineConfig(num_kv_blocks=256, block_size=8,
-                                                                            max_num_batched_tokens=256)))
-    server = LiveServer(build_app(engine, "tiny"))
-    server.engine = engine
-    yield server
-    server.stop()
-    engine.shutdown()
+    engine = AsyncEngine(LLMEngine(model, tokenizer, config))
+    try:
+        server = LiveServer(build_app(engine, "tiny", api_key))
+        server.engine = engine
+        try:
+            yield server
+        finally:
+            server.stop()
+    finally:
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def live_server(tiny_model, byte_tokenizer):
+    with serving(tiny_model, byte_tokenizer, EngineConfig(num_kv_blocks=256, block_size=8,
+                                                          max_num_batched_tokens=256)) as server:
+        yield server

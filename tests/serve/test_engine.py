@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from seekforge.generate import generate
+from seekforge.model.generate import generate
 from seekforge.serve.engine import LLM
 from seekforge.serve.sequence import SamplingParams
 
@@ -43,8 +43,9 @@ def test_greedy_equals_generate(tiny_model, byte_tokenizer, prompts, reference, 
     for _ in range(2):  # the second round runs with a warm prefix cache
         outs = llm.generate(prompts, GREEDY)
         assert [o.outputs[0].token_ids for o in outs] == reference
-    cached = sum(o.num_cached_tokens for o in outs)
-    assert (cached > 0) == prefix_caching
+    # the second round finds every full block of every prompt (the last token is always recomputed)
+    cached = [o.num_cached_tokens for o in outs]
+    assert cached == [(len(p) - 1) // 8 * 8 if prefix_caching else 0 for p in prompts]
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
 
@@ -111,10 +112,19 @@ def test_min_tokens_and_max_tokens(llm):
     assert len(out[0].outputs[0].token_ids) == 6 and out[0].outputs[0].finish_reason == "length"
 
 
-def test_logprobs_returned(llm):
+def test_logprobs_are_the_full_forward_log_softmax(llm, tiny_model):
     out = llm.generate("abc", SamplingParams(temperature=0, max_tokens=4, logprobs=2, ignore_eos=True))[0]
-    lp = out.outputs[0].logprobs
-    assert len(lp) == 4 and all(len(e["top"]) == 2 and e["logprob"] <= 0 for e in lp)
+    completion = out.outputs[0]
+    ids = out.prompt_token_ids + completion.token_ids
+    with torch.no_grad():  # one training-mode forward over prompt + output: the reference
+        ref = tiny_model(torch.tensor([ids]))[0, len(out.prompt_token_ids) - 1:-1].log_softmax(-1)
+    assert len(completion.logprobs) == 4
+    for pos, (token_id, entry) in enumerate(zip(completion.token_ids, completion.logprobs, strict=True)):
+        top = ref[pos].topk(2)
+        assert entry["token_id"] == token_id == int(top.indices[0])  # greedy: the top token
+        assert abs(entry["logprob"] - float(ref[pos, token_id])) < 1e-4
+        assert [i for i, _ in entry["top"]] == top.indices.tolist()
+        assert [lp for _, lp in entry["top"]] == pytest.approx(top.values.tolist(), abs=1e-4)
 
 
 def test_bad_requests_raise_value_error(llm):
@@ -169,3 +179,24 @@ def test_reset_prefix_cache_after_weight_update(tiny_model, byte_tokenizer, prom
     out = llm.generate(prompts[-1], GREEDY)[0]
     assert out.num_cached_tokens == 0
     assert out.outputs[0].token_ids == generate(model, prompts[-1], MAX_NEW)
+
+
+def test_chat_adds_bos_once_when_the_template_writes_it(tiny_model, tmp_path):
+    """HF chat templates usually start with `{{ bos_token }}`: LLM.chat and the server's chat endpoint
+    (both `chat_prompt_ids`) must not add a second BOS."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from seekforge.model.tokenizer import HFTokenizer
+
+    tk = Tokenizer(models.WordLevel({"<s>": 0, "</s>": 1, "hello": 2, "[UNK]": 3}, unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tk.add_special_tokens(["<s>", "</s>"])
+    tk.save(str(tmp_path / "tokenizer.json"))
+    template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "chat_template": template}))
+    llm = LLM(tiny_model, HFTokenizer(tmp_path), block_size=8, num_kv_blocks=16)
+    out = llm.chat([{"role": "user", "content": "hello"}], SamplingParams(temperature=0, max_tokens=1))[0]
+    assert out.prompt_token_ids == [0, 2]  # <s> hello

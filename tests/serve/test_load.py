@@ -13,10 +13,8 @@ import pytest
 
 from seekforge.config import EngineConfig
 from seekforge.serve.bench import make_prompts, run_benchmark
-from seekforge.serve.engine import AsyncEngine, LLMEngine
-from seekforge.serve.server import build_app
 
-from .conftest import LiveServer
+from .conftest import serving
 
 NUM_REQUESTS, PROMPT_LEN, MAX_TOKENS = 200, 16, 8
 
@@ -25,12 +23,8 @@ NUM_REQUESTS, PROMPT_LEN, MAX_TOKENS = 200, 16, 8
 def small_cache_server(tiny_model, byte_tokenizer):
     # 160 blocks x 8 slots = 1280 tokens for 200 x 24 = 4800 tokens in flight
     config = EngineConfig(num_kv_blocks=160, block_size=8, max_num_seqs=128, max_num_batched_tokens=512)
-    engine = AsyncEngine(LLMEngine(tiny_model, byte_tokenizer, config))
-    server = LiveServer(build_app(engine, "tiny"))
-    server.engine = engine
-    yield server
-    server.stop()
-    engine.shutdown()
+    with serving(tiny_model, byte_tokenizer, config) as server:
+        yield server
 
 
 def test_200_concurrent_streams_complete_and_free_all_blocks(small_cache_server):

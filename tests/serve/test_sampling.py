@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from seekforge.generate import sample_next
+from seekforge.model.generate import sample_next
 from seekforge.serve.sampling import apply_penalties, filter_logits, sample
 from seekforge.serve.sequence import SamplingParams, Sequence
 

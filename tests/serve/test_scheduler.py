@@ -98,3 +98,27 @@ def test_decodes_never_wait_behind_a_prefill():
         for s in list(sched.running):
             if s.num_output_tokens >= 5:
                 sched.finish(s, "length")
+
+
+def test_admission_allocates_blocks_under_python_O():
+    """Asserts vanish under `python -O`; admitting a sequence must still give it its blocks."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        from seekforge.config import EngineConfig
+        from seekforge.serve.block_manager import BlockManager
+        from seekforge.serve.scheduler import Scheduler
+        from seekforge.serve.sequence import SamplingParams, Sequence
+
+        assert False, "unreachable under -O"  # proves the asserts really are gone
+        config = EngineConfig(block_size=4, num_kv_blocks=8)
+        sched = Scheduler(config, BlockManager(8, 4))
+        s = Sequence("r", 0, list(range(10)), SamplingParams(max_tokens=4), 4, None)
+        sched.add(s)
+        batch = sched.schedule()
+        print(batch.num_new_tokens, len(s.block_table), sched.block_manager.num_free_blocks)
+    """)
+    out = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split("\n")[0] == "[10] 3 5"  # 10 tokens need 3 blocks of 4; 5 of 8 stay free

@@ -12,10 +12,10 @@ import openai
 import pytest
 
 from seekforge.config import EngineConfig
-from seekforge.serve.engine import AsyncEngine, LLMEngine
-from seekforge.serve.server import build_app
+from seekforge.serve.engine import LLM
+from seekforge.serve.sequence import SamplingParams
 
-from .conftest import LiveServer
+from .conftest import serving
 
 
 @pytest.fixture(scope="module")
@@ -23,17 +23,30 @@ def client(live_server):
     return openai.OpenAI(base_url=live_server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
+@pytest.fixture(scope="module")
+def offline(tiny_model, byte_tokenizer):
+    """The same model in an offline engine: what the server must return, token for token."""
+    return LLM(tiny_model, byte_tokenizer, block_size=8, num_kv_blocks=64)
+
+
+def greedy(max_tokens, **kw):
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
 def test_models_and_health(client, live_server):
     assert [m.id for m in client.models.list().data] == ["tiny"]
     assert httpx.get(live_server.base_url + "/health").json() == {"status": "ok"}
 
 
-def test_completion_greedy_matches_engine(client, live_server):
-    r = client.completions.create(model="tiny", prompt="Hello", max_tokens=6, temperature=0,
+def test_completion_greedy_matches_engine(client, offline):
+    r = client.completions.create(model="tiny", prompt="Hello", max_tokens=6, temperature=0, logprobs=0,
                                   extra_body={"ignore_eos": True})
-    assert r.choices[0].finish_reason == "length"
+    ref = offline.generate("Hello", greedy(6, logprobs=0))[0].outputs[0]
+    assert r.choices[0].text == ref.text and r.choices[0].finish_reason == "length"
+    # the same tokens: each chosen token's logprob equals the engine's
+    assert r.choices[0].logprobs.token_logprobs == pytest.approx([e["logprob"] for e in ref.logprobs], abs=1e-5)
     assert r.usage.completion_tokens == 6 and r.usage.prompt_tokens == 6  # bos + 5 bytes
-    assert r.usage.prompt_tokens_details.cached_tokens is not None
+    assert r.usage.prompt_tokens_details.cached_tokens == 0  # 6 tokens fill no block of 8: nothing to reuse
 
 
 def test_prefix_cache_reported_as_cached_tokens(client):
@@ -43,13 +56,18 @@ def test_prefix_cache_reported_as_cached_tokens(client):
     assert r.usage.prompt_tokens_details.cached_tokens == 32  # 4 full blocks of 8; the last token recomputes
 
 
-def test_chat_completion(client):
-    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
-                                       max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)
+def test_chat_completion(client, offline):
+    messages = [{"role": "user", "content": "hi"}]
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0,
+                                       logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    ref = offline.chat(messages, greedy(4, logprobs=2))[0]
     choice = r.choices[0]
-    assert choice.message.role == "assistant" and choice.finish_reason in ("length", "stop")
-    assert len(choice.logprobs.content) == r.usage.completion_tokens
-    assert len(choice.logprobs.content[0].top_logprobs) == 2
+    assert choice.message.role == "assistant" and choice.finish_reason == "length"
+    assert choice.message.content == ref.outputs[0].text
+    assert r.usage.prompt_tokens == len(ref.prompt_token_ids) and r.usage.completion_tokens == 4
+    assert [t.logprob for t in choice.logprobs.content] == pytest.approx(
+        [e["logprob"] for e in ref.outputs[0].logprobs], abs=1e-5)
+    assert all(len(t.top_logprobs) == 2 for t in choice.logprobs.content)
 
 
 def test_n_greater_than_one(client):
@@ -58,13 +76,18 @@ def test_n_greater_than_one(client):
     assert sorted(c.index for c in r.choices) == [0, 1, 2]
     assert r.usage.completion_tokens == 15
     r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], n=2,
-                                       max_tokens=3, temperature=0)
-    assert len(r.choices) == 2
+                                       max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == [0, 1] and r.usage.completion_tokens == 6
+    assert r.choices[0].message.content == r.choices[1].message.content  # greedy: both the same
 
 
-def test_multiple_prompts(client):
-    r = client.completions.create(model="tiny", prompt=["a", "bb"], max_tokens=2, temperature=0)
-    assert sorted(c.index for c in r.choices) == [0, 1]
+def test_multiple_prompts(client, offline):
+    r = client.completions.create(model="tiny", prompt=["a", "bb"], max_tokens=2, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    ref = offline.generate(["a", "bb"], greedy(2))
+    assert [(c.index, c.text) for c in sorted(r.choices, key=lambda c: c.index)] == \
+        [(0, ref[0].outputs[0].text), (1, ref[1].outputs[0].text)]
+    assert r.usage.prompt_tokens == 2 + 3 and r.usage.completion_tokens == 4
 
 
 def test_streaming_with_usage(client):
@@ -80,25 +103,58 @@ def test_streaming_with_usage(client):
 
 
 def test_chat_streaming(client):
-    chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
-                                                 max_tokens=5, temperature=0, stream=True,
-                                                 stream_options={"include_usage": True}))
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5, temperature=0,
+              extra_body={"ignore_eos": True})
+    full = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
-    assert chunks[-1].usage.completion_tokens >= 1
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == full.choices[0].message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == full.usage.model_dump()
+    assert chunks[-1].usage.completion_tokens == 5
 
 
-def test_stop_strings(client):
-    free = client.completions.create(model="tiny", prompt=[65, 66], max_tokens=12, temperature=0,
-                                     extra_body={"ignore_eos": True}).choices[0].text
-    stop = next((free[i:i + 1] for i in range(2, len(free)) if free[i:i + 1].isprintable()
-                 and free[i:i + 1] not in free[:i]), None)
-    if stop is None:
-        pytest.skip("random weights produced no printable character to stop on")
-    r = client.completions.create(model="tiny", prompt=[65, 66], max_tokens=12, temperature=0, stop=[stop])
-    assert r.choices[0].finish_reason == "stop" and r.choices[0].text == free[:free.find(stop)]
-    chunks = list(client.completions.create(model="tiny", prompt=[65, 66], max_tokens=12, temperature=0,
-                                            stop=[stop], stream=True))
-    assert "".join(c.choices[0].text for c in chunks if c.choices) == free[:free.find(stop)]
+def test_continuous_usage_stats(client):
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so far."""
+    chunks = list(client.completions.create(
+        model="tiny", prompt="count", max_tokens=5, temperature=0, stream=True, extra_body={"ignore_eos": True},
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    content = [c for c in chunks if c.choices]
+    assert [c.usage.completion_tokens for c in content] == [1, 2, 3, 4, 5]  # one chunk per token
+    assert all(c.usage.prompt_tokens == 6 and c.usage.total_tokens == 6 + c.usage.completion_tokens
+               for c in content)
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == 11
+    chunks = list(client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], n=2, max_tokens=3, temperature=0, stream=True,
+        extra_body={"ignore_eos": True}, stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    assert all(c.usage is not None for c in chunks)
+    roles = [c for c in chunks if c.choices and c.choices[0].delta.role]
+    assert len(roles) == 2 and all(c.usage.completion_tokens == 0 for c in roles)
+    assert [c.usage.completion_tokens for c in chunks[2:-1]] == [1, 2, 3, 4, 5, 6]  # 2 choices x 3 tokens
+    last, final = chunks[-2].usage, chunks[-1].usage  # the last content chunk's usage is the request's
+    assert (last.prompt_tokens, last.completion_tokens, last.total_tokens) == \
+        (final.prompt_tokens, final.completion_tokens, final.total_tokens)
+    plain = list(client.completions.create(model="tiny", prompt="count", max_tokens=2, stream=True,
+                                           stream_options={"include_usage": True}))
+    assert all(c.usage is None for c in plain[:-1])  # only asked for the final usage
+
+
+def test_stop_strings(client, offline, byte_tokenizer):
+    free = offline.generate([65, 66], greedy(16))[0].outputs[0]
+    # a stop string spanning two tokens, of plain characters (no U+FFFD: those can wait for more bytes)
+    cut = next((i for i in range(1, len(free.text) - 1) if free.text[i:i + 2].isascii()), None)
+    assert cut is not None, f"the seeded tiny model's output {free.text!r} has no two ASCII characters in a row"
+    stop = free.text[cut:cut + 2]
+    cut = free.text.find(stop)
+    # generation ends at the token that completes the stop string
+    num_tokens = next(k for k in range(1, 17) if stop in byte_tokenizer.decode(free.token_ids[:k]))
+    kw = dict(model="tiny", prompt=[65, 66], max_tokens=16, temperature=0, stop=[stop],
+              extra_body={"ignore_eos": True})
+    r = client.completions.create(**kw)
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].text == free.text[:cut]
+    assert r.usage.completion_tokens == num_tokens
+    chunks = list(client.completions.create(**kw, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == free.text[:cut]
+    assert chunks[-1].choices[0].finish_reason == "stop"
 
 
 @pytest.mark.parametrize("body, message", [
@@ -113,6 +169,10 @@ def test_stop_strings(client):
     (json.dumps({"model": "tiny", "prompt": "x", "logit_bias": {"1": 2}}).encode(), "logit_bias"),
     (json.dumps({"model": "tiny", "prompt": "x", "temperature": -1}).encode(), "temperature"),
     (json.dumps({"model": "tiny"}).encode(), "prompt"),
+    (json.dumps({"model": "tiny", "prompt": "x", "stream_options": {"include_usage": True}}).encode(),
+     "only allowed with stream=true"),
+    (json.dumps({"model": "tiny", "prompt": "x", "stream": True,
+                 "stream_options": {"continuous_usage_stats": True}}).encode(), "needs include_usage=true"),
 ])
 def test_errors_are_openai_400s(live_server, body, message):
     r = httpx.post(live_server.base_url + "/v1/completions", content=body,
@@ -149,27 +209,39 @@ def test_disconnect_aborts_and_frees_blocks(live_server):
 
 
 def test_metrics(client, live_server):
-    client.completions.create(model="tiny", prompt="m", max_tokens=3)
-    text = httpx.get(live_server.base_url + "/metrics").text
-    for name in ("seekforge_num_requests_running", "seekforge_num_requests_waiting",
-                 "seekforge_kv_cache_usage_ratio", "seekforge_prefix_cache_hit_rate",
-                 "seekforge_time_to_first_token_seconds_bucket", "seekforge_time_per_output_token_seconds_bucket"):
-        assert name in text
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape() -> dict:
+        text = httpx.get(live_server.base_url + "/metrics").text
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    before = scrape()
+    client.completions.create(model="tiny", prompt="m", max_tokens=3, extra_body={"ignore_eos": True})
+    after = scrape()
+
+    def grew(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after[key] - before.get(key, 0.0)
+
+    assert grew("seekforge_prompt_tokens_total") == 2 and grew("seekforge_generation_tokens_total") == 3
+    assert grew("seekforge_requests_total", finish_reason="length") == 1
+    assert grew("seekforge_time_to_first_token_seconds_count") == 1
+    assert grew("seekforge_time_per_output_token_seconds_count") == 1
+    for gauge in ("seekforge_num_requests_running", "seekforge_num_requests_waiting",
+                  "seekforge_kv_cache_usage_ratio", "seekforge_prefix_cache_hit_rate", "seekforge_num_preemptions"):
+        assert (gauge, ()) in after
 
 
 def test_api_key(tiny_model, byte_tokenizer):
-    engine = AsyncEngine(LLMEngine(tiny_model, byte_tokenizer, EngineConfig(num_kv_blocks=32, block_size=8)))
-    server = LiveServer(build_app(engine, "tiny", api_key="sekrit"))
-    try:
+    with serving(tiny_model, byte_tokenizer, EngineConfig(num_kv_blocks=32, block_size=8), api_key="sekrit") \
+            as server:
         bad = openai.OpenAI(base_url=server.base_url + "/v1", api_key="wrong", max_retries=0)
         with pytest.raises(openai.AuthenticationError):
             bad.models.list()
         good = openai.OpenAI(base_url=server.base_url + "/v1", api_key="sekrit", max_retries=0)
         assert good.completions.create(model="tiny", prompt="x", max_tokens=1).choices
         assert httpx.get(server.base_url + "/health").status_code == 200  # health needs no key
-    finally:
-        server.stop()
-        engine.shutdown()
 
 
 def test_non_streaming_disconnect_aborts(live_server):

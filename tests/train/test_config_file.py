@@ -72,7 +72,7 @@ def test_unknown_key_names_the_key(tmp_path):
     ("steps=0", "steps=0: must be a positive integer"),
     ("lr=fast", "expected a number"),
     ("schedule=linear", "use 'cosine' or 'wsd'"),
-    ("dtype=fp16", "use 'bf16'"),
+    ("dtype=fp16", "use 'auto'"),
     ("compile=1", "expected true or false"),
     ("betas=[0.9, 1.5]", "two numbers in"),
     ("min_lr=1.0", "min_lr <= lr"),

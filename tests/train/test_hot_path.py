@@ -10,7 +10,7 @@ from seekforge.model.model import MLA, document_mask
 from seekforge.model.moe import grouped_mm, grouped_mm_reference
 
 
-@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch without _grouped_mm")
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="older torch without _grouped_mm")
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_cpu_grouped_mm_loop_matches_torch_grouped_mm(dtype, tol):
     gen = torch.Generator().manual_seed(0)
@@ -147,7 +147,7 @@ def test_chunked_cross_entropy_matches_fp32_cross_entropy(dtype, tol):
     logits (what the loss did before), with ignored rows and more rows than one chunk: loss and
     logits gradient. Both compute in fp32 from the same values; the gradient is returned in the
     logits' dtype, so bf16 is compared after rounding the reference gradient to bf16 too."""
-    from seekforge.train.loss import _ChunkedCrossEntropy, cross_entropy
+    from seekforge.model.loss import _ChunkedCrossEntropy, cross_entropy
 
     gen = torch.Generator().manual_seed(0)
     vocab = 300

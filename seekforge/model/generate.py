@@ -1,16 +1,18 @@
 """Single-sequence generation with a latent KV cache: the simple reference path that the serving
-engine (serve/) is tested against. `seekforge generate --model DIR_OR_PRESET --prompt ...`."""
+engine (serve/) is tested against, and the pretraining run's sample.
+
+Also the `seekforge generate --model DIR_OR_PRESET --prompt ...` verb (add_arguments / run below)."""
 
 from __future__ import annotations
 
+import sys
 import time
-from pathlib import Path
 
 import torch
 
-from seekforge.config import PRESETS, preset
-from seekforge.model.model import LatentCache, Transformer, build_model
-from seekforge.model.tokenizer import load_tokenizer
+from seekforge.model.load import load_model
+from seekforge.model.model import LatentCache, Transformer
+from seekforge.model.precision import resolve_dtype
 
 
 def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
@@ -60,22 +62,6 @@ def generate(model: Transformer, prompt_ids: list[int], max_new_tokens: int = 32
     return out
 
 
-def load_model(name_or_path: str, dtype=torch.float32, device="cpu"):
-    """A preset name (random weights, byte tokenizer) or an HF-format checkpoint directory."""
-    if name_or_path in PRESETS:
-        tokenizer = load_tokenizer("byte")
-        return build_model(preset(name_or_path), device, dtype).eval(), tokenizer
-    path = Path(name_or_path)
-    if not path.is_dir():
-        raise ValueError(f"--model {name_or_path!r} is neither a preset ({', '.join(PRESETS)}) "
-                         "nor a checkpoint directory")
-    from seekforge.model.hf import load_hf
-
-    model = load_hf(path, device=device, dtype=dtype).eval()
-    has_hf_tokenizer = (path / "tokenizer.json").exists()
-    return model, load_tokenizer(path if has_hf_tokenizer else "byte")
-
-
 def add_arguments(p):
     p.add_argument("--model", default="tiny", help="preset name or HF-format checkpoint directory")
     p.add_argument("--prompt", default="Once upon a time", help="text to continue")
@@ -85,13 +71,16 @@ def add_arguments(p):
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="auto: bfloat16 where the hardware runs it natively (GPU, AVX512-BF16/AMX), else float32")
 
 
 def run(args):
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens={args.max_new_tokens}; give at least 1")
-    model, tok = load_model(args.model, getattr(torch, args.dtype))
+    dtype, why = resolve_dtype(args.dtype)
+    print(f"dtype: {why}", file=sys.stderr)  # stdout carries the text alone
+    model, tok = load_model(args.model, dtype)
     text = args.prompt
     if args.chat:
         text = tok.apply_chat_template([{"role": "user", "content": text}])

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from seekforge.config import preset
-from seekforge.generate import generate, sample_next
+from seekforge.model.generate import generate, sample_next
 from seekforge.model.model import build_model
 from seekforge.model.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 

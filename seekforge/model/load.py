@@ -1,0 +1,26 @@
+"""One call from a name on the command line to a model and its tokenizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from seekforge.config import PRESETS, preset
+from seekforge.model.hf import load_hf
+from seekforge.model.model import build_model
+from seekforge.model.tokenizer import load_tokenizer
+
+
+def load_model(name_or_path: str, dtype=torch.float32, device="cpu"):
+    """A preset name (random weights, byte tokenizer) or an HF-format checkpoint directory."""
+    if name_or_path in PRESETS:
+        tokenizer = load_tokenizer("byte")
+        return build_model(preset(name_or_path), device, dtype).eval(), tokenizer
+    path = Path(name_or_path)
+    if not path.is_dir():
+        raise ValueError(f"--model {name_or_path!r} is neither a preset ({', '.join(PRESETS)}) "
+                         "nor a checkpoint directory")
+    model = load_hf(path, device=device, dtype=dtype).eval()
+    has_hf_tokenizer = (path / "tokenizer.json").exists()
+    return model, load_tokenizer(path if has_hf_tokenizer else "byte")

@@ -1,0 +1,118 @@
+"""The training objective, defined once for every loop that trains: the single-device trainer, the
+pipeline's last stage (parallel/pp.py) and the GRPO trainer call these functions.
+
+    loss = CE(next token) + λ · mean_k CE_k(MTP depth k)          (DeepSeek-V3 eq. 25)
+
+plus the sequence-wise balance loss α·Σ f_i P_i of every MoE layer (eq. 17–20). That term does not go
+through the value computed here: each MoE layer attaches its own to its output's gradient
+(`attach_aux_loss`), so it reaches the router wherever the layer runs — in this process or in an
+earlier pipeline stage — and the loss value stays the same function on every layout. Its detached
+value is summed by the layers for logging (`MoE.aux_loss`).
+
+Packed rows (per-document `positions` and `segment_ids`) keep every target inside its document: the
+data layer already masks the next-token label at a document's end, and `mtp_targets` masks the MTP
+targets whose token t+k+1 lies in another document than position t.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100  # the label that cross_entropy skips
+
+
+def lm_loss(model, input_ids, labels, positions=None, segment_ids=None, mtp_loss_scale: float = 0.3):
+    """Forward `model` (a Transformer) and compute the objective. input_ids, labels (B, T); labels =
+    IGNORE_INDEX where there is no target. Returns (loss, metrics), metrics holding the detached
+    `lm_loss` and, with MTP, `mtp_loss`."""
+    h, rope, mask = model.hidden(input_ids, positions, segment_ids)
+    return objective(model, h, input_ids, labels, rope, mask, segment_ids, mtp_loss_scale)
+
+
+def objective(head, h, input_ids, labels, rope, mask=None, segment_ids=None, mtp_loss_scale: float = 0.3):
+    """The objective on the main model's last hidden state h (B, T, H), before the final norm.
+    head: anything holding `norm`, `lm_head`, `mtp` and `embed_tokens` (a Transformer, or the last
+    pipeline stage); rope: (cos, sin) of the positions; mask: the attention mask the blocks used."""
+    logits = head.lm_head(head.norm(h))
+    lm = cross_entropy(logits.flatten(0, 1), labels.flatten())
+    loss, metrics = lm, {"lm_loss": lm.detach()}
+    if len(head.mtp) and mtp_loss_scale > 0:
+        mtp = torch.stack(mtp_losses(head, h, input_ids, labels, rope, mask, segment_ids)).mean()
+        loss = loss + mtp_loss_scale * mtp
+        metrics["mtp_loss"] = mtp.detach()
+    return loss, metrics
+
+
+def mtp_losses(head, h, input_ids, labels, rope, mask=None, segment_ids=None) -> list[torch.Tensor]:
+    """Cross-entropy of each MTP depth k = 1, 2, ...: module k combines the previous depth's hidden
+    state at position t with the embedding of token t+k and predicts token t+k+1 (model.MTPModule)."""
+    cos, sin = rope
+    losses = []
+    for k, module in enumerate(head.mtp, start=1):
+        next_ids = shift_left(input_ids, k, 0)
+        h = module(h, head.embed_tokens(next_ids), cos, sin, mask)
+        logits = head.lm_head(module.norm(h))
+        target = mtp_targets(labels, k, segment_ids)
+        losses.append(cross_entropy(logits.flatten(0, 1), target.flatten()))
+    return losses
+
+
+def mtp_targets(labels: torch.Tensor, k: int, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """labels (B, T) next-token targets → depth-k targets (B, T): token t+k+1 at position t, ignored
+    past the window and, with packed documents, where position t+k lies in another document than t
+    (then token t+k+1 does too, or labels[t+k] is already ignored at that document's end)."""
+    target = shift_left(labels, k, IGNORE_INDEX)
+    if segment_ids is not None:
+        crosses = shift_left(segment_ids, k, -1) != segment_ids
+        target = target.masked_fill(crosses, IGNORE_INDEX)
+    return target
+
+
+def shift_left(x: torch.Tensor, k: int, fill) -> torch.Tensor:
+    """x (B, T) shifted left by k along T, the last k entries set to `fill`."""
+    out = torch.roll(x, -k, dims=1)
+    out[:, x.shape[1] - k:] = fill
+    return out
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """F.cross_entropy(logits.float(), labels, ignore_index) (mean over kept rows), for logits (N, V) in
+    any float dtype, without an fp32 copy of the whole (N, V) logits forward or backward: rows go
+    through fp32 in cache-sized chunks (`_ChunkedCrossEntropy`)."""
+    if type(logits) is not torch.Tensor:  # a DTensor (tensor-parallel head): DTensor's own loss ops
+        return F.cross_entropy(logits.float(), labels, ignore_index=ignore_index)
+    return _ChunkedCrossEntropy.apply(logits, labels, ignore_index)
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    # ~1 MiB of fp32 logits per chunk (64 rows of a 4096 vocab): the cast, exp and sums stay in L2.
+    CHUNK_ELEMENTS = 2**18
+
+    @staticmethod
+    def forward(ctx, logits, labels, ignore_index):
+        n, vocab = logits.shape
+        keep = labels != ignore_index  # (N,)
+        targets = labels.masked_fill(~keep, 0)
+        rows = max(16, _ChunkedCrossEntropy.CHUNK_ELEMENTS // vocab)
+        lse = torch.empty(n, dtype=torch.float32, device=logits.device)  # log Σ exp, per row
+        for start in range(0, n, rows):
+            lse[start:start + rows] = torch.logsumexp(logits[start:start + rows].float(), dim=-1)
+        target_logit = logits.gather(1, targets[:, None]).squeeze(1).float()
+        count = keep.sum()
+        ctx.save_for_backward(logits, targets, keep, lse, count)
+        ctx.rows = rows
+        # mean over kept rows; 0/0 = nan when every row is ignored, as F.cross_entropy
+        return ((lse - target_logit) * keep).sum() / count
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, targets, keep, lse, count = ctx.saved_tensors
+        row_scale = keep * (grad / count)  # (N,) d loss / d (per-row loss)
+        grad_logits = torch.empty_like(logits)
+        for start in range(0, logits.shape[0], ctx.rows):
+            end = start + ctx.rows
+            probs = (logits[start:end].float() - lse[start:end, None]).exp_()  # softmax
+            probs.scatter_add_(1, targets[start:end, None], probs.new_full((probs.shape[0], 1), -1.0))
+            grad_logits[start:end] = probs.mul_(row_scale[start:end, None])  # (softmax − onehot) · scale
+        return grad_logits, None, None
