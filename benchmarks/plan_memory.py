@@ -76,7 +76,7 @@ def measure_rank(case: Case, mesh=None) -> int:
     if mesh is None:
         model = prepare_model(model, cfg)
     elif pc.pp > 1:
-        model = PipelineRunner(model, pc, mesh)
+        model = PipelineRunner(model, pc, mesh, cfg.mtp_loss_scale, torch.bfloat16 if case.dtype == "bf16" else None)
     else:
         model = parallelize(model, pc, mesh)
     gen = torch.Generator().manual_seed(0)
@@ -122,10 +122,8 @@ def measure(case: Case) -> list[int]:
 
 def predict(case: Case) -> MemoryPlan:
     cfg = train_config(case)
-    pc = cfg.parallel_config()
-    # The pipeline path (PipelineRunner) runs its stages without autocast: fp32 activations.
-    dtype = "fp32" if pc.pp > 1 else case.dtype
-    return estimate_memory(cfg.model_config(), pc, case.micro_batch_size, case.seq_len, dtype=dtype)
+    return estimate_memory(cfg.model_config(), cfg.parallel_config(), case.micro_batch_size, case.seq_len,
+                           dtype=case.dtype)
 
 
 def main() -> None:

@@ -22,8 +22,11 @@ class LiveBytes(TorchDispatchMode):
     """with LiveBytes(existing_tensors) as m: ...; m.peak is the most bytes alive at once, counting the
     storages of `existing_tensors` (parameters, optimizer states) from the start."""
 
-    def __init__(self, existing: Iterable[torch.Tensor] = ()):
+    def __init__(self, existing: Iterable[torch.Tensor] = (), unbacked_size: int | None = None):
+        """unbacked_size: under FakeTensorMode (plan/traced.py), the value given to every
+        data-dependent size (the tokens one expert receives), which has no value to read there."""
         super().__init__()
+        self.unbacked_size = unbacked_size
         self.live = 0
         self.peak = 0
         self._sizes: dict[int, int] = {}  # storage id → bytes counted
@@ -40,9 +43,18 @@ class LiveBytes(TorchDispatchMode):
         key = st._cdata
         if key in self._sizes:
             return
-        self._sizes[key] = st.nbytes()
+        nbytes = self._concrete(st.nbytes())
+        self._sizes[key] = nbytes
         self._refs[key] = weakref.ref(st, lambda _, key=key: self._forget(key))
-        self._add(st.nbytes())
+        self._add(nbytes)
+
+    def _concrete(self, nbytes) -> int:
+        if isinstance(nbytes, int):
+            return nbytes
+        expr = nbytes.node.expr  # a SymInt: substitute the data-dependent symbols
+        if self.unbacked_size is None:
+            raise ValueError("a tensor's size depends on data; pass unbacked_size (expected tokens per expert)")
+        return int(expr.subs({symbol: self.unbacked_size for symbol in expr.free_symbols}))
 
     def _forget(self, key: int) -> None:
         self._refs.pop(key, None)
@@ -61,11 +73,11 @@ class LiveBytes(TorchDispatchMode):
 
         def resize_(st, size):
             key = st._cdata
-            before = st.nbytes()
+            before = self._concrete(st.nbytes())
             out = original(st, size)
             if key in self._sizes:
-                self._sizes[key] = st.nbytes()
-                self._add(st.nbytes() - before)
+                self._sizes[key] = self._concrete(st.nbytes())
+                self._add(self._sizes[key] - before)
             return out
 
         torch.UntypedStorage.resize_ = resize_

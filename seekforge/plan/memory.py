@@ -106,7 +106,9 @@ def estimate_memory(cfg: ModelConfig, pc: ParallelConfig, micro_batch_size: int,
     stages = _stage_units(cfg, pc, units, split_points)
     per_stage = [[shape.unit(u, mode_of.get(u.layer_id, "none")) for u in stage] for stage in stages]
     ranks_of = _ranks_of_stages(pc)
-    acts_per_stage = [sum(m.activations for m in s) for s in per_stage]
+    # Pipeline stages autocast each micro-batch's forward on its own (parallel/pp.py), so every in-flight
+    # micro-batch holds its own bf16 weight copies: they count with its activations.
+    acts_per_stage = [sum(m.activations + (m.copies if pc.pp > 1 else 0.0) for m in s) for s in per_stage]
     inflight = _inflight_bytes(pc, acts_per_stage, shape)
 
     ranks = []
@@ -118,7 +120,7 @@ def estimate_memory(cfg: ModelConfig, pc: ParallelConfig, micro_batch_size: int,
         state = params + optimizer
         # Under pp, the other in-flight micro-batches stay while one is backwarded: the sweep runs
         # over one micro-batch's units on top of the rest.
-        one_mb = sum(m.activations for m in mems) / len(stage_ids) if pc.pp > 1 else 0.0
+        one_mb = sum(m.activations + m.copies for m in mems) / len(stage_ids) if pc.pp > 1 else 0.0
         others = max(inflight[rank] - one_mb, 0.0) if pc.pp > 1 else 0.0
         copies = sum(m.copies for m in mems)
         fsdp_gather = shape.fsdp_gather(mems)
