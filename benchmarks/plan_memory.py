@@ -7,7 +7,8 @@ PipelineRunner), on one process and on gloo ranks.
 
 The second training step is measured (the first creates the AdamW states); the peak counts the
 parameters, optimizer states, gradients and every tensor alive during forward, backward and the
-optimizer step. Prints one row per rank class and the relative error.
+optimizer step. Prints one row per rank and the relative error; on one device also the traced mode's
+peak (plan/traced.py: the same step on fake tensors).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from seekforge.config import ParallelConfig, TrainConfig  # noqa: E402
 from seekforge.plan.memory import MemoryPlan, estimate_memory  # noqa: E402
+from seekforge.plan.traced import traced_peak  # noqa: E402
 
 
 @dataclass
@@ -135,17 +137,24 @@ def main() -> None:
     chosen = [c for c in CASES if c.name in args.cases.split(",")]
     print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, torch {torch.__version__}, small preset "
           f"(4 layers: 1 dense + 3 MoE, MTP), seq 256; peak live tensor bytes of the 2nd training step")
-    print(f"{'case':<22}{'rank':>5}{'predicted MiB':>15}{'measured MiB':>14}{'error':>8}")
+    print(f"{'case':<22}{'rank':>5}{'predicted MiB':>15}{'measured MiB':>14}{'error':>8}{'traced MiB':>12}"
+          f"{'error':>8}")
     worst = 0.0
     for case in chosen:
         plan = predict(case)
+        traced = None
+        if ParallelConfig(**case.parallel).world_size == 1:  # the traced mode covers one device
+            cfg = train_config(case)
+            traced = traced_peak(cfg.model_config(), case.micro_batch_size, case.seq_len, case.dtype, case.recompute)
         for rank, measured in enumerate(measure(case)):
             predicted = plan.rank_peak(rank)
             err = predicted / measured - 1
             worst = max(worst, abs(err))
-            print(f"{case.name:<22}{rank:>5}{predicted / 2**20:>15.1f}{measured / 2**20:>14.1f}{err:>+8.1%}",
-                  flush=True)
-    print(f"largest |error| {worst:.1%}")
+            row = f"{case.name:<22}{rank:>5}{predicted / 2**20:>15.1f}{measured / 2**20:>14.1f}{err:>+8.1%}"
+            if traced is not None:
+                row += f"{traced / 2**20:>12.1f}{traced / measured - 1:>+8.1%}"
+            print(row, flush=True)
+    print(f"largest |error| of the analytic estimate {worst:.1%}")
 
 
 if __name__ == "__main__":

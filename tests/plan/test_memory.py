@@ -11,6 +11,7 @@ from seekforge.config import ParallelConfig, TrainConfig, preset
 from seekforge.model.model import build_model
 from seekforge.plan.measure import LiveBytes, state_tensors
 from seekforge.plan.memory import estimate_memory
+from seekforge.plan.traced import traced_peak
 from seekforge.train.trainer import Trainer, prepare_model
 
 TOLERANCE = 0.10  # the bar: predicted peak within 10% of the measured one
@@ -45,6 +46,9 @@ def test_single_device_peak_within_ten_percent(recompute):
                            recompute=recompute)
     measured = measured_peak(cfg)
     assert plan.peak == pytest.approx(measured, rel=TOLERANCE)
+    if recompute == "none":  # the traced mode runs the same step on fake tensors
+        traced = traced_peak(cfg.model_config(), cfg.micro_batch_size, cfg.seq_len, "bf16", recompute)
+        assert traced == pytest.approx(measured, rel=TOLERANCE)
 
 
 def test_live_bytes_counts_storages_once_and_frees():
