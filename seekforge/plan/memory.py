@@ -118,29 +118,32 @@ def estimate_memory(cfg: ModelConfig, pc: ParallelConfig, micro_batch_size: int,
         grads = params  # fp32 gradients of this rank's (sharded) parameters
         optimizer = params / 4 * 2 * optimizer_bytes
         state = params + optimizer
-        # Under pp, the other in-flight micro-batches stay while one is backwarded: the sweep runs
-        # over one micro-batch's units on top of the rest.
-        one_mb = sum(m.activations + m.copies for m in mems) / len(stage_ids) if pc.pp > 1 else 0.0
-        others = max(inflight[rank] - one_mb, 0.0) if pc.pp > 1 else 0.0
         copies = sum(m.copies for m in mems)
         fsdp_gather = shape.fsdp_gather(mems)
-        # From the second pipeline micro-batch on, every gradient exists while a backward runs (each
-        # new one is summed into it): the later micro-batches' sweeps start from a full set.
-        grads_before = grads if microbatches > 1 else 0.0
-        end_of_forward = state + grads_before + others + sum(m.activations + m.copies for m in mems)
+        if pc.pp > 1:
+            # The other in-flight micro-batches stay while one is backwarded through one of this
+            # rank's stages (the heaviest): the sweep runs over that stage's units on top of the rest.
+            # From the second micro-batch on every gradient exists (each new one is summed into it).
+            swept = max((per_stage[s] for s in stage_ids), key=lambda ms: sum(m.activations + m.copies for m in ms))
+            one_mb = sum(m.activations + m.copies for m in swept)
+            base = state + grads + max(inflight[rank] - one_mb, 0.0)
+            activations = max(inflight[rank], one_mb)
+        else:
+            swept, base, activations = mems, state, sum(m.activations for m in mems)
+        accumulating = pc.pp > 1 and microbatches > 1
+        end_of_forward = base + sum(m.activations + m.copies for m in swept)
         peak, phase, live = end_of_forward, "end of forward", end_of_forward
-        for m in reversed(mems):  # the backward sweep, last unit first
+        for m in reversed(swept):  # the backward sweep, last unit first
             during = live + m.workspace + fsdp_gather + m.params  # + this unit's new gradients
             if during > peak:
                 peak, phase = during, f"backward of {m.unit.kind} {m.unit.layer_id}"
-            live += (0.0 if grads_before else m.params) - m.activations - m.copies
+            live += (0.0 if accumulating else m.params) - m.activations - m.copies
         step = state + grads + shape.optimizer_workspace(params)
         if step > peak:
             peak, phase = step, "optimizer step"
         name = f"pp rank {rank} (stages {', '.join(map(str, stage_ids))})" if pc.pp > 1 else "every rank"
-        ranks.append(RankMemory(name, params, grads, optimizer, max(inflight[rank], one_mb) if pc.pp > 1 else
-                                sum(m.activations for m in mems), copies, max(m.workspace for m in mems),
-                                peak, phase))
+        ranks.append(RankMemory(name, params, grads, optimizer, activations, copies,
+                                max(m.workspace for m in mems), peak, phase))
     return MemoryPlan(ranks, pc.world_size, shape.notes)
 
 
@@ -325,13 +328,14 @@ class UnitBytes:
 
     def _backward_workspace(self, u: Unit, nh: float) -> float:
         """The widest transients of a block's backward: the attention scores' two gradients, or the
-        experts' weight gradient in bf16 plus its fp32 cast; whichever is larger."""
+        stacked experts' weight gradient in bf16 (its fp32 cast is the unit's gradient, counted by the
+        sweep); whichever is larger."""
         a = self.a
         scores = 0.0 if self.flash else 2 * a * self.b * nh * self.t * self.t
         experts = 0.0
         if u.expert_params:
             per_proj = u.expert_params / self.pc.ep * 2 / 3  # gate_up is 2 of the 3 expert matrices
-            experts = per_proj * (2.0 if self.autocast else 0.0) + 4.0 * per_proj
+            experts = per_proj * (2.0 if self.autocast else 0.0)
         return max(scores, experts)
 
 
