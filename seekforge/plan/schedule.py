@@ -233,8 +233,8 @@ def draw_timeline(result: SimResult, path: str) -> None:
     ax.set_xlabel("time")
     ax.set_title(f"{result.schedule}: step {result.step_time:.4g}, bubble {result.bubble_ratio:.1%}")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]
-    ax.legend(handles, ["F", "I (input grad)", "W (weight grad)", "B (full backward)"], loc="upper right",
-              fontsize=7, ncol=4)
+    ax.legend(handles, ["F", "I (input grad)", "W (weight grad)", "B (full backward)"], loc="upper center",
+              bbox_to_anchor=(0.5, -0.35 / max(1, ranks / 4)), fontsize=7, ncol=4, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
