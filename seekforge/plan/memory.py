@@ -250,16 +250,7 @@ class UnitBytes:
         residual = 4.0 * n * h
         # Each RMSNorm output feeds two linears: autocast casts it twice (each cast saved), fp32 saves it once.
         norm_out = 2 * 2.0 * n * h if self.autocast else 4.0 * n * h
-        if u.kind == "mtp":
-            # eh_proj's input [enorm(emb); hnorm(h)] (the embedding lookup is saved by enorm), and a
-            # block whose residual is eh_proj's (bf16) output: its norms save an fp32 copy and the normed
-            # bf16 input, 2NH more each than the fp32-residual blocks, and its head call.
-            extra = 4.0 * n * h + (2.0 * n * 2 * h if self.autocast else 8.0 * n * h)
-            extra += 2 * 2.0 * n * h if self.autocast else 0.0
-            extra += (4.0 + 2.0) * n * h + self.a * n * cfg.vocab_size / tp + 16.0 * n if self.autocast else \
-                4.0 * n * h + self.a * n * cfg.vocab_size / tp + 16.0 * n
-        else:
-            extra = 0.0
+        extra = self._mtp_extra() if u.kind == "mtp" else 0.0
         attn = self._attention_core(nh)
         q_lora = 8.0 * n * cfg.q_lora_rank if cfg.q_lora_rank else 0.0
         r = cfg.kv_lora_rank
@@ -275,7 +266,7 @@ class UnitBytes:
         copies = 2.0 * (u.attn_params + u.dense_params) / tp if self.keeps_copies else 0.0
         copies += expert_copies
         if mode == "full":
-            saved = residual + (extra if u.kind == "mtp" else 0.0)  # the block input only
+            saved = residual + extra  # the block input (and the MTP module's own pieces)
             recompute_peak = attention + mlp + experts_saved + experts_internal
             workspace = recompute_peak + self._backward_workspace(u, nh) + copies
             return UnitMemory(u, params, saved, 0.0, workspace)
@@ -288,6 +279,21 @@ class UnitBytes:
             return UnitMemory(u, params, saved, copies, workspace)
         saved = attention + mlp + experts_saved + experts_internal + extra
         return UnitMemory(u, params, saved, copies, self._backward_workspace(u, nh))
+
+    def _mtp_extra(self) -> float:
+        """What an MTP module keeps besides its block's usual share: the embedding lookup (saved by
+        enorm), eh_proj's input [enorm(emb); hnorm(h)], its head call (norm input, head input,
+        logits) — and, under autocast, 2NH more in each of its block's two norms, whose input is
+        eh_proj's bf16 output (an fp32 copy and the normed bf16 input are saved)."""
+        cfg, n, h, a = self.cfg, self.n, self.cfg.hidden_size, self.a
+        logits = a * n * cfg.vocab_size / self.pc.tp + 16.0 * n  # + the targets and log-sum-exp per row
+        if self.autocast:
+            eh_input = 2.0 * n * 2 * h
+            block_norms = 2 * 2.0 * n * h
+            head = (4.0 + 2.0) * n * h + logits
+        else:
+            eh_input, block_norms, head = 8.0 * n * h, 0.0, 4.0 * n * h + logits
+        return 4.0 * n * h + eh_input + block_norms + head
 
     def _attention_core(self, nh: float) -> float:
         """MatmulAttention saves the scaled q, k, v and the probabilities; o_proj its (B, T, nh·dv) input.
