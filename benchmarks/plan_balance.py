@@ -76,19 +76,26 @@ def rank_main(rank: int, world: int, tmp: str, splits: dict, steps: int, out: di
         runner = PipelineRunner(build_model(cfg, seed=0), pc, build_mesh(pc, cfg), compute_dtype=torch.bfloat16)
         runners[name] = (runner, torch.optim.AdamW(runner.parameters(), lr=1e-4))
     times = {name: [] for name in splits}
+    cpu = {name: [] for name in splits}  # this rank's own CPU seconds: its share of the work
     for step in range(steps + 1):  # round-robin; the first round (shape inference) is not timed
         for name, (runner, opt) in runners.items():
             dist.barrier()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             runner.step(tokens[:, :-1], tokens[:, 1:])
             runner.sync_tied_embedding_grads()
             opt.step()
             opt.zero_grad()
+            used = time.process_time() - start_cpu
             dist.barrier()
             if step:
                 times[name].append(time.perf_counter() - start)
+                cpu[name].append(used)
+    medians = torch.tensor([statistics.median(cpu[name]) for name in splits], dtype=torch.float64)
+    gathered = [torch.zeros_like(medians) for _ in range(world)]
+    dist.all_gather(gathered, medians)
     if rank == 0:
         out.update({name: statistics.median(t) for name, t in times.items()})
+        out.update({f"{name} cpu": [float(g[i]) for g in gathered] for i, name in enumerate(splits)})
     dist.barrier()
     dist.destroy_process_group()
 
@@ -121,6 +128,10 @@ def small_measured(steps: int, measure: bool) -> None:
         print(f"[small pp=2] measured on 2 gloo ranks, median of {steps} steps: "
               f"balanced {out['balanced'] * 1e3:.0f} ms, even {out['even'] * 1e3:.0f} ms, "
               f"ratio {out['balanced'] / out['even']:.2f}")
+        for name in splits:
+            per_rank = out[f"{name} cpu"]
+            print(f"[small pp=2] {name}: CPU seconds per step on each rank {[round(c, 2) for c in per_rank]}, "
+                  f"slowest rank {max(per_rank):.2f} s")
 
 
 def main() -> None:

@@ -11,8 +11,9 @@ Time model (per training step, one global batch):
   EP        dispatch and combine all-to-alls of the routed copies, forward and backward,
             (ep−1)/ep · bytes / bandwidth; DualPipeV hides them behind the other micro-batch's compute
             (DeepSeek-V3 §3.2.1), the other schedules do not;
-  DP/FSDP   reduce-scatter of the fp32 gradients and all-gather of the weights once per step,
-            overlapped with the backward: only what exceeds it counts;
+  FSDP      per micro-batch, all-gathers of the bf16 weights for forward and for backward and a
+            reduce-scatter of the fp32 gradients, over the dense group (dp_shard) and the experts'
+            (dp_shard / ep), overlapped with the compute: only what exceeds it counts;
   PP p2p    a latency + (tokens, H) bytes per stage boundary crossing, on the simulated critical path.
 A group of ranks inside one node uses the intra-node bandwidth, one that spans nodes the inter-node one.
 """
@@ -108,8 +109,9 @@ def why_nothing_fits(result: SearchResult, cluster: Cluster) -> str:
 
 
 def _describe(pc: ParallelConfig, mbs: int) -> str:
-    return (f"dp_shard={pc.dp_shard}, tp={pc.tp}, ep={pc.ep}, pp={pc.pp} {pc.pp_schedule if pc.pp > 1 else ''}"
-            f", micro-batch {mbs}, recompute={pc.recompute}")
+    schedule = f" {pc.pp_schedule}" if pc.pp > 1 else ""
+    return (f"dp_shard={pc.dp_shard}, tp={pc.tp}, ep={pc.ep}, pp={pc.pp}{schedule}, micro-batch {mbs}, "
+            f"recompute={pc.recompute}")
 
 
 def _divisors(n: int) -> list[int]:
@@ -189,12 +191,17 @@ def _step_time(cfg: ModelConfig, pc: ParallelConfig, cluster: Cluster, mbs: int,
         pipeline += 2 * (pc.num_stages - 1) * (cluster.p2p_latency + act_bytes / pc.tp / cluster.inter_node_bandwidth)
     else:
         bubble, pipeline = 0.0, microbatches * stage_mb
-    params_per_rank = sum(u.params for u in units) / (pc.tp * pc.pp)
-    dp = pc.dp_replicate * pc.dp_shard
+    # FSDP gathers each block's bf16 weights for its forward and again for its backward, and
+    # reduce-scatters its fp32 gradients, every micro-batch (reshard after forward): 2 + 2 + 4 bytes
+    # per parameter over its group, (g−1)/g of them. Experts shard over dp_shard / ep ranks only.
+    dense = sum(u.attn_params + u.dense_params for u in units) / (pc.tp * pc.pp)
+    experts = sum(u.expert_params for u in units) / (pc.ep * pc.pp)
     dp_comm = 0.0
-    if dp > 1:  # reduce-scatter fp32 gradients + all-gather bf16 weights, (dp−1)/dp of them each
-        dp_comm = params_per_rank * (4 + 2) * (dp - 1) / dp / _bandwidth(cluster, dp * pc.tp)
-    exposed_dp = max(0.0, dp_comm - pipeline)
+    for params, group in ((dense, pc.dp_shard), (experts, pc.dp_shard // pc.ep)):
+        if group > 1:
+            span = group * pc.tp * (pc.ep if params is experts else 1)
+            dp_comm += microbatches * params * 8 * (group - 1) / group / _bandwidth(cluster, span)
+    exposed_dp = max(0.0, dp_comm - pipeline)  # overlapped with the compute it feeds
     step = pipeline + exposed_dp
     return step, bubble, {"compute": microbatches * compute_mb, "tp": microbatches * tp_comm,
                           "ep": microbatches * ep_comm, "dp exposed": exposed_dp}
