@@ -159,25 +159,23 @@ def balance_stages(costs: LayerCosts, num_stages: int, microbatches: int, memory
     # stage_time[s][mode]: (n+1, n+1), inf where the stage does not fit
     stage_time = [{m: np.where(mems[s][m] <= memory_limit, times[m] + fixed[s], np.inf) for m in modes}
                   for s in range(num_stages)]
-    best_mode_time = [np.min(np.stack([stage_time[s][m] for m in modes]), axis=0) for s in range(num_stages)]
-    caps = np.unique(np.concatenate([t[np.isfinite(t)] for t in best_mode_time]))
-    caps = np.unique(np.concatenate([caps] + [stage_time[s][m][np.isfinite(stage_time[s][m])]
-                                              for s in range(num_stages) for m in modes]))
+    # Candidate caps: every time some stage can take (the optimum's slowest stage is one of them).
+    caps = np.unique(np.concatenate([stage_time[s][m][np.isfinite(stage_time[s][m])]
+                                     for s in range(num_stages) for m in modes]))
     if caps.size == 0:
         raise ValueError(f"no stage fits in {memory_limit / 2**30:.1f} GiB even with full recompute; "
                          "add pipeline stages, shard more (dp_shard/tp/ep) or lower the micro-batch size")
     lower_sum = float(np.sum(costs.time)) + sum(fixed)
-    best, best_cap, best_path = np.inf, None, None
+    best, best_path = np.inf, None
     for cap in caps:
         if (microbatches - 1) * cap + lower_sum >= best:
-            break
+            break  # no later (larger) cap can win
         total, path = _min_sum(stage_time, modes, cap, n, num_stages)
         if np.isfinite(total) and total + (microbatches - 1) * cap < best - 1e-15:
-            best, best_cap, best_path = total + (microbatches - 1) * cap, cap, path
+            best, best_path = total + (microbatches - 1) * cap, path
     if best_path is None:
         raise ValueError(f"no split of {n} layers into {num_stages} stages fits in {memory_limit / 2**30:.1f} "
                          "GiB per stage; add stages, shard more or lower the micro-batch size")
-    del best_cap
     bounds = [a for a, _, _ in best_path] + [n]
     stage_times = [float(stage_time[s][m][a, b]) for s, (a, b, m) in enumerate(best_path)]
     stage_memory = [float(mems[s][m][a, b]) for s, (a, b, m) in enumerate(best_path)]

@@ -21,7 +21,7 @@ reverse order, each freeing its activations and copies and adding its gradients)
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from seekforge.config import ModelConfig, ParallelConfig
 from seekforge.plan import schedule as sched
@@ -63,7 +63,6 @@ class RankMemory:
 class MemoryPlan:
     ranks: list[RankMemory]  # one per pipeline rank
     world_size: int
-    notes: list[str] = field(default_factory=list)
 
     @property
     def peak(self) -> float:
@@ -102,7 +101,7 @@ def estimate_memory(cfg: ModelConfig, pc: ParallelConfig, micro_batch_size: int,
         raise ValueError(f"micro_batch_size={micro_batch_size} is not divisible by microbatches={microbatches}")
     bf16 = dtype == "bf16" or pc.mixed_precision == "bf16"
     shape = UnitBytes(cfg, pc, micro_batch_size // microbatches, seq_len, 2 if bf16 else 4, moe_skew,
-                   flash_attention)
+                      flash_attention)
     stages = _stage_units(cfg, pc, units, split_points)
     per_stage = [[shape.unit(u, mode_of.get(u.layer_id, "none")) for u in stage] for stage in stages]
     ranks_of = _ranks_of_stages(pc)
@@ -138,13 +137,13 @@ def estimate_memory(cfg: ModelConfig, pc: ParallelConfig, micro_batch_size: int,
             if during > peak:
                 peak, phase = during, f"backward of {m.unit.kind} {m.unit.layer_id}"
             live += (0.0 if accumulating else m.params) - m.activations - m.copies
-        step = state + grads + shape.optimizer_workspace(params)
+        step = state + grads  # fused AdamW updates in place
         if step > peak:
             peak, phase = step, "optimizer step"
         name = f"pp rank {rank} (stages {', '.join(map(str, stage_ids))})" if pc.pp > 1 else "every rank"
         ranks.append(RankMemory(name, params, grads, optimizer, activations, copies,
                                 max(m.workspace for m in mems), peak, phase))
-    return MemoryPlan(ranks, pc.world_size, shape.notes)
+    return MemoryPlan(ranks, pc.world_size)
 
 
 # ------------------------------------------------------------------------------------------ stages
@@ -203,7 +202,6 @@ class UnitBytes:
         # nothing stays (parallel/fsdp.py).
         self.keeps_copies = self.autocast and pc.mixed_precision == "fp32"
         self.skew = moe_skew if pc.ep > 1 else 1.0
-        self.notes: list[str] = []
         self.shard = pc.dp_shard  # FSDP shards parameters, gradients and states over dp_shard
         self.gathered_dtype = 2 if pc.mixed_precision == "bf16" else 4
 
@@ -217,9 +215,6 @@ class UnitBytes:
         largest = max((m.unit.attn_params + m.unit.dense_params) / self.pc.tp + m.unit.expert_params / self.pc.ep
                        for m in mems)
         return largest * self.gathered_dtype
-
-    def optimizer_workspace(self, params: float) -> float:
-        return 0.0  # fused AdamW updates in place
 
     def unit(self, u: Unit, mode: str) -> UnitMemory:
         tp = self.pc.tp
@@ -355,4 +350,4 @@ def format_plan(plan: MemoryPlan) -> str:
     for r in plan.ranks:
         lines.append(f"{r.name:<{width}}" + "".join(f"{value / GiB:>10.2f}" for _, value in r.rows())
                      + f"  {r.peak_phase}")
-    return "\n".join(lines + plan.notes)
+    return "\n".join(lines)
