@@ -24,7 +24,7 @@ import numpy as np
 from seekforge.config import ModelConfig, ParallelConfig
 from seekforge.plan import memory as mem
 from seekforge.plan import schedule as sched
-from seekforge.plan.shapes import model_units, unit_flops
+from seekforge.plan.shapes import model_units, recompute_flops, unit_flops
 
 MODES = ("none", "selective", "full")
 
@@ -103,7 +103,7 @@ def analytic_costs(cfg: ModelConfig, pc: ParallelConfig, micro_batch_size: int, 
         for m in MODES:
             um = shape.unit(u, m)
             activations[m].append(um.activations + um.copies)
-            recompute[m].append({"none": 0.0, "selective": 0.25 * fwd, "full": fwd}[m])
+            recompute[m].append(recompute_flops(cfg, u, tokens, seq_len, m) / (flops_per_second * per_device))
         state.append(state_bytes(shape.unit(u, "none")))
     embed = shape.unit(units[0], "none")
     tail_mem = {m: [shape.unit(u, m) for u in tail] for m in MODES}

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from seekforge.config import PRESETS, ModelConfig, ParallelConfig, parse_bytes, preset
@@ -133,6 +134,7 @@ def _balance(args):
         inflight_per_stage,
         simulated_step,
     )
+    from seekforge.plan.memory import estimate_memory
 
     cfg = _model(args)
     microbatches = args.microbatches or 2 * args.pp
@@ -157,9 +159,14 @@ def _balance(args):
         even = min(evens, key=lambda e: e.step_time)
         even_sim = simulated_step(costs, even, args.schedule, args.pp, microbatches)
         print(f"even split with recompute={even.recompute[0]}: {even.step_time:.3f} s (simulated {even_sim:.3f} s); "
-              f"balanced is {even_sim / sim - 1:+.1%} faster in simulation")
+              f"balanced: step time {sim / even_sim - 1:+.1%}, tokens/s x{even_sim / sim:.2f}")
     else:
         print("no even split fits, whatever the recompute mode")
+    # The balancer's stage memory is state + in-flight activations; the full dry run of the same
+    # layout adds the backward's transients and FSDP's gathered weights.
+    layout = dataclasses.replace(pc, pp_split_points=best.split_points, recompute=best.layer_modes(cfg))
+    check = estimate_memory(cfg, layout, args.micro_batch_size * microbatches, args.seq_len, flash_attention=True)
+    print(f"dry run of this layout (plan memory): peak {check.peak / GiB:.1f} GiB per rank")
     print(f"--parallel {best.parallel_arg(cfg, pc)}")
 
 

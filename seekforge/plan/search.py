@@ -2,8 +2,8 @@
 layout that fits the device memory, ranked by predicted tokens per second.
 
 Time model (per training step, one global batch):
-  compute   the step's FLOPs on one device (plan/shapes.py; recompute adds its forward again) at the
-            cluster's achievable FLOP/s;
+  compute   the step's FLOPs on one device (plan/shapes.py; recompute adds the forward it reruns) at
+            the cluster's achievable FLOP/s;
   pipeline  the schedule simulated with equal stages (plan/schedule.py): step = simulated time of
             m micro-batches, so the bubble is the schedule's own;
   TP        two all-reduces of the (tokens, H) activations per block forward and two in backward,
@@ -26,10 +26,9 @@ from dataclasses import dataclass, field
 from seekforge.config import ModelConfig, ParallelConfig
 from seekforge.plan import schedule as sched
 from seekforge.plan.memory import estimate_memory
-from seekforge.plan.shapes import model_units, unit_flops
+from seekforge.plan.shapes import model_units, recompute_flops, unit_flops
 
 SEARCHED_SCHEDULES = ("1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV")
-RECOMPUTE_FORWARD_SHARE = {"none": 0.0, "selective": 0.25, "full": 1.0}  # extra forward FLOPs
 
 
 @dataclass
@@ -164,11 +163,11 @@ def _step_time(cfg: ModelConfig, pc: ParallelConfig, cluster: Cluster, mbs: int,
                seq_len: int) -> tuple[float, float, dict[str, float]]:
     tokens_mb = mbs * seq_len
     units = model_units(cfg)
-    fwd = bwd = 0.0
+    fwd = bwd = recompute = 0.0
     for u in units:
         f, b = unit_flops(cfg, u, tokens_mb, seq_len)
         fwd, bwd = fwd + f, bwd + b
-    recompute = RECOMPUTE_FORWARD_SHARE[pc.recompute] * fwd
+        recompute += recompute_flops(cfg, u, tokens_mb, seq_len, pc.recompute)
     per_device = pc.tp * pc.pp  # the micro-batch's work is spread over a tp × pp slice
     compute_mb = (fwd + bwd + recompute) / per_device / cluster.flops  # one micro-batch, one stage-rank
     blocks = cfg.num_hidden_layers + cfg.num_nextn_predict_layers

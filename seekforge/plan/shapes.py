@@ -90,3 +90,18 @@ def unit_flops(cfg: ModelConfig, unit: Unit, tokens: int, seq_len: int) -> tuple
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training (forward + backward) FLOPs per token, MTP included."""
     return sum(sum(unit_flops(cfg, u, 1, seq_len)) for u in model_units(cfg))
+
+
+def recompute_flops(cfg: ModelConfig, unit: Unit, tokens: int, seq_len: int, mode: str) -> float:
+    """Forward FLOPs a recompute mode runs again in backward (parallel/recompute.py): "full" the
+    whole block, "selective" the attention module (projections and core) and the routed experts."""
+    if mode == "none" or unit.kind in ("embed", "head"):
+        return 0.0
+    forward, _ = unit_flops(cfg, unit, tokens, seq_len)
+    if unit.kind == "mtp":
+        forward -= 2.0 * tokens * cfg.vocab_size * cfg.hidden_size  # its head call is outside the block
+    if mode == "full":
+        return forward
+    core = 2.0 * tokens * seq_len * cfg.num_attention_heads * (cfg.qk_head_dim + cfg.v_head_dim)
+    experts = 2.0 * tokens * cfg.num_experts_per_tok * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    return 2.0 * tokens * unit.attn_params + core + (experts if unit.expert_params else 0.0)

@@ -23,3 +23,16 @@ def test_flops_match_the_mfu_convention(name):
     not matmuls) that the per-unit count includes: < 1e-4 relative."""
     cfg = preset(name)
     assert flops_per_token(cfg, 4096) == pytest.approx(train_flops_per_token(cfg, 4096), rel=1e-4)
+
+
+def test_recompute_flops_by_mode():
+    from seekforge.plan.shapes import recompute_flops, unit_flops
+
+    cfg = preset("small")
+    for unit in model_units(cfg):
+        if unit.kind not in ("dense", "moe"):
+            continue
+        forward, _ = unit_flops(cfg, unit, 512, 256)
+        assert recompute_flops(cfg, unit, 512, 256, "none") == 0
+        assert recompute_flops(cfg, unit, 512, 256, "full") == forward
+        assert 0 < recompute_flops(cfg, unit, 512, 256, "selective") < forward
