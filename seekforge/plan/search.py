@@ -72,6 +72,7 @@ class SearchResult:
     considered: int
     smallest_peak: float  # the least memory any layout needed
     smallest_layout: str  # and which layout that was
+    smallest_state: float  # of which parameters, gradients and optimizer states (its peak rank)
 
 
 def search(cfg: ModelConfig, cluster: Cluster, global_batch: int, seq_len: int, top: int = 10,
@@ -82,29 +83,37 @@ def search(cfg: ModelConfig, cluster: Cluster, global_batch: int, seq_len: int, 
                          f"devices={cluster.devices}, device_memory={cluster.device_memory}")
     usable = cluster.device_memory * (1 - cluster.memory_reserve)
     plans, considered = [], 0
-    smallest, smallest_layout = math.inf, ""
+    smallest, smallest_layout, smallest_state = math.inf, "", 0.0
     for pc, mbs in _layouts(cfg, cluster.devices, global_batch, micro_batch_sizes, cluster.devices_per_node):
         considered += 1
         dp = pc.dp_replicate * pc.dp_shard
         per_rank_batch = global_batch // dp
-        memory = estimate_memory(cfg, pc, mbs * pc.microbatches if pc.pp > 1 else mbs, seq_len, "bf16",
-                                 optimizer_bytes, flash_attention=True).peak
+        estimate = estimate_memory(cfg, pc, mbs * pc.microbatches if pc.pp > 1 else mbs, seq_len, "bf16",
+                                   optimizer_bytes, flash_attention=True)
+        memory = estimate.peak
         if memory < smallest:
+            worst = max(estimate.ranks, key=lambda r: r.peak)
             smallest, smallest_layout = memory, _describe(pc, mbs)
+            smallest_state = worst.params + worst.grads + worst.optimizer
         if memory > usable:
             continue
         step, bubble, times = _step_time(cfg, pc, cluster, mbs, per_rank_batch, seq_len)
         plans.append(Plan(pc, mbs, step, global_batch * seq_len / step, memory, bubble, times))
     plans.sort(key=lambda p: -p.tokens_per_second)
-    return SearchResult(plans[:top], considered, smallest, smallest_layout)
+    return SearchResult(plans[:top], considered, smallest, smallest_layout, smallest_state)
 
 
 def why_nothing_fits(result: SearchResult, cluster: Cluster) -> str:
     usable = cluster.device_memory * (1 - cluster.memory_reserve)
+    state = result.smallest_state
+    if state > usable:
+        fix = "parameters, gradients and AdamW states alone do not fit: add devices (or memory per device)"
+    else:
+        fix = "activations are the rest: shorten the sequences, or add devices for more pipeline stages"
     return (f"no layout of {cluster.devices} devices fits: the smallest peak, {result.smallest_peak / 2**30:.1f} GiB "
-            f"({result.smallest_layout}), exceeds the {usable / 2**30:.1f} GiB usable per device "
-            f"({cluster.device_memory / 2**30:.1f} GiB less {cluster.memory_reserve:.0%} reserve); "
-            f"{result.considered} layouts tried. Add devices or memory per device, or shorten the sequences.")
+            f"({result.smallest_layout}; {state / 2**30:.1f} GiB of it parameters, gradients and optimizer "
+            f"states), exceeds the {usable / 2**30:.1f} GiB usable per device ({cluster.device_memory / 2**30:.1f} "
+            f"GiB less {cluster.memory_reserve:.0%} reserve); {result.considered} layouts tried. {fix}.")
 
 
 def _describe(pc: ParallelConfig, mbs: int) -> str:

@@ -32,7 +32,8 @@ def test_impossible_cluster_says_why():
     result = search(cfg, cluster, global_batch=64, seq_len=4096)
     assert not result.plans
     message = why_nothing_fits(result, cluster)
-    assert "no layout of 8 devices fits" in message and "GiB" in message and "Add devices" in message
+    assert "no layout of 8 devices fits" in message and "GiB" in message
+    assert "alone do not fit: add devices" in message  # 671B parameters' state on 8 x 80 GB
 
 
 @pytest.mark.slow
