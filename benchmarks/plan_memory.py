@@ -8,7 +8,7 @@ PipelineRunner), on one process and on gloo ranks.
 The second training step is measured (the first creates the AdamW states); the peak counts the
 parameters, optimizer states, gradients and every tensor alive during forward, backward and the
 optimizer step. Prints one row per rank and the relative error; on one device also the traced mode's
-peak (plan/traced.py: the same step on fake tensors).
+peak (plan/traced.py: the same step on fake tensors; one device and FSDP layouts).
 """
 
 from __future__ import annotations
@@ -143,9 +143,11 @@ def main() -> None:
     for case in chosen:
         plan = predict(case)
         traced = None
-        if ParallelConfig(**case.parallel).world_size == 1:  # the traced mode covers one device
+        pc = train_config(case).parallel_config()
+        if pc.ep == pc.pp == pc.tp == 1:  # the traced mode covers one device and FSDP/HSDP
             cfg = train_config(case)
-            traced = traced_peak(cfg.model_config(), case.micro_batch_size, case.seq_len, case.dtype, case.recompute)
+            traced = traced_peak(cfg.model_config(), case.micro_batch_size, case.seq_len, case.dtype, case.recompute,
+                                 pc=pc)
         for rank, measured in enumerate(measure(case)):
             predicted = plan.rank_peak(rank)
             err = predicted / measured - 1

@@ -14,7 +14,7 @@ What a step keeps (train/trainer.py, model/*.py, parallel/*.py; tests/plan/test_
   activations what autograd saves, per unit (`_block_saved`), freed by that unit's backward; with
              pipelining, as many micro-batches as the schedule keeps in flight (plan/schedule.py);
   workspace  the largest transient of one unit's backward (gradients of its widest tensors) and,
-             under FSDP, the gathered fp32 weights of the group being computed.
+             under FSDP, the gathered weights and the unsharded gradient of the group being computed.
 The peak is the largest of: end of forward, any point of the backward sweep (units backward in
 reverse order, each freeing its activations and copies and adding its gradients), the optimizer step.
 """
@@ -209,12 +209,13 @@ class UnitBytes:
         return 4.0 * self.n * self.cfg.hidden_size  # the fp32 residual stream
 
     def fsdp_gather(self, mems: list[UnitMemory]) -> float:
-        """The unsharded weights of one FSDP group (the largest) while it computes."""
+        """The largest FSDP group's unsharded weights while it computes, and in its backward its
+        unsharded fp32 gradient until the reduce-scatter leaves the shard."""
         if self.shard == 1 and self.pc.dp_replicate == 1:
             return 0.0
         largest = max((m.unit.attn_params + m.unit.dense_params) / self.pc.tp + m.unit.expert_params / self.pc.ep
                        for m in mems)
-        return largest * self.gathered_dtype
+        return largest * (self.gathered_dtype + 4)
 
     def unit(self, u: Unit, mode: str) -> UnitMemory:
         tp = self.pc.tp

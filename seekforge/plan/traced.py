@@ -6,9 +6,11 @@ every activation the real forward saves and every gradient are fake tensors with
 step: `torch.bincount` (the tokens per expert) is replaced, inside the trace only, by a balanced
 count, which is what the analytic model assumes too (moe_skew = 1).
 
-Scope: one device (the single-device trainer's step: bf16 autocast over fp32 weights, the model/loss
-objective, fused AdamW, recompute applied as parallel/recompute.py does). The parallel wrappers need
-process groups, which a trace does not have; plan/memory.py covers those layouts.
+Layouts: one device, or data-parallel ones (FSDP/HSDP: dp_shard, dp_replicate): `parallelize` runs
+on a "fake" process group of the layout's world size (torch's FakeStore; collectives return at once
+and move nothing), and this process plays rank 0. Expert parallelism needs the exchanged token
+counts, pipelining real point-to-point traffic, and the tensor-parallel loss trips over fake inputs
+in DTensor's cross-entropy backward: plan/memory.py covers those layouts.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ from __future__ import annotations
 from contextlib import contextmanager, nullcontext
 
 import torch
+import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
-from seekforge.config import ModelConfig
+from seekforge.config import ModelConfig, ParallelConfig
 from seekforge.plan.measure import LiveBytes
 
 
@@ -40,18 +43,45 @@ def _balanced_routing():
         torch.bincount = original
 
 
+@contextmanager
+def _fake_process_group(pc: ParallelConfig | None, cfg: ModelConfig):
+    """Yields the layout's mesh on a fake process group (None on one device)."""
+    if pc is None or pc.world_size == 1:
+        yield None
+        return
+    if pc.ep > 1 or pc.pp > 1 or pc.tp > 1:
+        raise ValueError(f"the traced mode covers data-parallel layouts (dp_shard, dp_replicate); tp={pc.tp}, "
+                         f"ep={pc.ep}, pp={pc.pp} need real collectives or DTensor losses it cannot fake: use the "
+                         "analytic estimate (seekforge plan memory without --traced)")
+    if dist.is_initialized():
+        raise ValueError("the traced mode creates its own fake process group; run it outside a distributed job")
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from seekforge.parallel.mesh import build_mesh
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=pc.world_size)
+    try:
+        yield build_mesh(pc, cfg)  # outside FakeTensorMode: the mesh holds real rank tensors
+    finally:
+        dist.destroy_process_group()
+
+
 def traced_peak(cfg: ModelConfig, micro_batch_size: int, seq_len: int, dtype: str = "bf16",
-                recompute: str = "none", mtp_loss_scale: float = 0.3) -> int:
-    """Peak live bytes of the second training step (the first creates the optimizer states)."""
+                recompute: str = "none", mtp_loss_scale: float = 0.3, pc: ParallelConfig | None = None) -> int:
+    """Peak live bytes of rank 0 over the second training step (the first creates the optimizer
+    states). micro_batch_size: sequences per data-parallel rank; pc: a layout (its recompute wins)."""
     from seekforge.model.loss import lm_loss
     from seekforge.model.model import Transformer
+    from seekforge.parallel.parallelize import parallelize
     from seekforge.parallel.recompute import apply_recompute
 
     if dtype not in ("bf16", "fp32"):
         raise ValueError(f"dtype={dtype!r}: use 'bf16' (autocast) or 'fp32'")
-    with FakeTensorMode(allow_non_fake_inputs=True), _balanced_routing():
+    with _fake_process_group(pc, cfg) as mesh, FakeTensorMode(allow_non_fake_inputs=True), _balanced_routing():
         model = Transformer(cfg).init_buffers()
-        if recompute != "none":
+        if mesh is not None:
+            parallelize(model, pc, mesh)
+        elif recompute != "none":
             apply_recompute(model, recompute)
         model.train()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)

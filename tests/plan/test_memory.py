@@ -87,6 +87,15 @@ def test_bad_inputs_say_what_to_do():
         estimate_memory(preset("tiny"), ParallelConfig(pp=2, microbatches=4), 6, 16)
 
 
+def test_traced_mode_shards_under_fsdp_and_refuses_what_it_cannot_fake():
+    cfg = preset("small", num_hidden_layers=2)
+    for pc in (None, ParallelConfig(dp_shard=4)):  # the traced step agrees with the analytic estimate
+        traced = traced_peak(cfg, 2, 64, pc=pc)
+        assert traced == pytest.approx(estimate_memory(cfg, pc or ParallelConfig(), 2, 64).peak, rel=TOLERANCE)
+    with pytest.raises(ValueError, match="analytic"):
+        traced_peak(cfg, 2, 64, pc=ParallelConfig(dp_shard=2, ep=2))
+
+
 @pytest.mark.slow
 def test_measured_table_on_gloo_ranks():
     """benchmarks/plan_memory.py's cases (single device, FSDP, EP, two pipeline schedules)."""
