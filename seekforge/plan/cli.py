@@ -28,6 +28,8 @@ def add_arguments(p):
                         help="busiest expert-parallel rank's routed tokens over the mean")
     memory.add_argument("--flash-attention", action="store_true",
                         help="count the CUDA SDPA path (no T x T probabilities kept) instead of the CPU one")
+    memory.add_argument("--traced", action="store_true",
+                        help="also run the real step on fake tensors (one device or FSDP layouts; CPU path)")
 
     schedule = sub.add_parser("schedule", help="simulate a pipeline schedule")
     schedule.add_argument("--schedule", default="1F1B", help="GPipe, 1F1B, Interleaved1F1B, ZB-H1, "
@@ -108,6 +110,11 @@ def _memory(args):
           f"{args.dtype}, recompute={pc.recompute}")
     print(format_plan(plan))
     print(f"peak {plan.peak / GiB:.2f} GiB")
+    if args.traced:
+        from seekforge.plan.traced import traced_peak
+
+        traced = traced_peak(cfg, args.micro_batch_size, args.seq_len, args.dtype, pc.recompute, pc=pc)
+        print(f"traced (the real step on fake tensors, rank 0): peak {traced / GiB:.2f} GiB")
 
 
 def _schedule(args):

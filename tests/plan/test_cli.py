@@ -12,6 +12,12 @@ def test_plan_memory_table(capsys):
     assert "pp rank 0 (stages 0)" in out and "pp rank 1 (stages 1)" in out and "peak" in out
 
 
+def test_plan_memory_traced(capsys):
+    main(["plan", "memory", "--preset", "tiny", "--parallel", "dp_shard=2", "--micro-batch-size", "2",
+          "--seq-len", "32", "--traced"])
+    assert "traced (the real step on fake tensors, rank 0): peak" in capsys.readouterr().out
+
+
 def test_plan_schedule_writes_the_timeline(capsys, tmp_path):
     main(["plan", "schedule", "--schedule", "ZBVZeroBubble", "--pp", "2", "--microbatches", "4",
           "--png", str(tmp_path / "zbv.png")])
