@@ -66,6 +66,9 @@ def rank_main(rank: int, world: int, tmp: str, splits: dict, steps: int, out: di
     from seekforge.parallel.pp import PipelineRunner
 
     torch.set_num_threads(1)
+    # One core per rank: a rank's idle wait must not lend its core to its peer, or the wall time
+    # measures the total work instead of the pipeline (the point of balancing stages).
+    os.sched_setaffinity(0, {rank % os.cpu_count()})
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=600))
     cfg = preset("small")
