@@ -79,6 +79,11 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--steps", type=int, default=6)
     args = parser.parse_args()
+    sys.path.insert(0, str(ROOT))
+    from machine import machine_header  # benchmarks/machine.py
+
+    # fp32: the pipeline's step times here are schedule overheads and bubbles, not matmul speed.
+    machine_header("fp32", probe_peak=False)
     os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(rank_main, args=(2, tmp, args), nprocs=2, join=True)

@@ -20,6 +20,7 @@ import argparse
 import time
 
 import torch
+from machine import dtype_arg, machine_header  # benchmarks/machine.py
 
 from seekforge.config import preset
 from seekforge.model.generate import generate
@@ -67,16 +68,22 @@ def main():
     p.add_argument("--prefix-new-tokens", type=int, default=16)
     p.add_argument("--threads", type=int, default=1, help="torch threads (1: the shared 2-core box thrashes with 2)")
     p.add_argument("--skip-hf", action="store_true", help="seekforge numbers only")
+    dtype_arg(p)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    model = build_model(preset(args.preset), seed=0).eval()
+    dtype, _ = machine_header(args.dtype)
+    # The peer gets the same weights, its logits checked in fp32 before it is cast to the measured dtype;
+    # build_model keeps the routers in fp32, as the official checkpoints do.
+    hf = None if args.skip_hf else hf_peer(build_model(preset(args.preset), seed=0).eval()).to(dtype)
+    model = build_model(preset(args.preset), seed=0, dtype=dtype).eval()
     tok = load_tokenizer("byte")
     vocab = model.cfg.vocab_size
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, vocab, (args.num_requests, args.prompt_len), generator=g)
     n, new = args.num_requests, args.new_tokens
     params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
-    print(f"preset={args.preset} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, fp32), "
+    print(f"preset={args.preset} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, "
+          f"{str(dtype).removeprefix('torch.')}), "
           f"threads={torch.get_num_threads()}, {n} requests x ({args.prompt_len} prompt + {new} new tokens)")
 
     # -- 1. batch throughput --------------------------------------------------------------------
@@ -86,9 +93,7 @@ def main():
     assert all(len(o.outputs[0].token_ids) == new for o in outs)
     sf_tps = n * new / t_sf
     print(f"[throughput] seekforge engine : {t_sf:7.2f} s  {sf_tps:8.1f} new tok/s")
-    hf = None
-    if not args.skip_hf:
-        hf = hf_peer(model)
+    if hf is not None:
         hf_generate(hf, prompts[:2, :16], 2)  # warm-up
         hf_out, t_hf = timed(lambda: hf_generate(hf, prompts, new))
         assert hf_out.shape == (n, new)

@@ -25,8 +25,10 @@ import sys
 import time
 
 import torch
+from machine import dtype_arg, machine_header  # benchmarks/machine.py
 
 from seekforge.config import TrainConfig, preset
+from seekforge.model.precision import resolve_dtype
 from seekforge.train.flops import flops_per_token, measure_peak_flops
 
 BATCH, SEQ = 8, 256
@@ -65,18 +67,18 @@ class RepeatLoader:
         pass
 
 
-def seekforge_step_fn():
+def seekforge_step_fn(dtype: str):
     from seekforge.model.model import build_model
     from seekforge.train.trainer import Trainer
 
-    cfg = TrainConfig(preset="small", model={"num_nextn_predict_layers": 0}, seq_len=SEQ,
+    cfg = TrainConfig(preset="small", model={"num_nextn_predict_layers": 0}, seq_len=SEQ, dtype=dtype,
                       micro_batch_size=BATCH, steps=1000, mtp_loss_scale=0.0, peak_flops=1.0)
     model = build_model(model_config(), seed=0)
     trainer = Trainer(cfg, model, RepeatLoader(fixed_batch(model.cfg.vocab_size)), out_dir="/tmp/unused")
     return lambda: trainer.train_step()["loss"]
 
 
-def hf_step_fn(variant: str):
+def hf_step_fn(variant: str, dtype: str):
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     from seekforge.model.model import build_model
@@ -96,7 +98,7 @@ def hf_step_fn(variant: str):
     ids = batch["input_ids"]
 
     def step():
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=resolve_dtype(dtype)[0] == torch.bfloat16):
             loss = model(input_ids=ids, labels=ids).loss  # transformers shifts labels itself
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -107,8 +109,8 @@ def hf_step_fn(variant: str):
     return step
 
 
-def child(name: str, steps: int, warmup: int) -> None:
-    step = seekforge_step_fn() if name == "seekforge" else hf_step_fn(name.split(":", 1)[1])
+def child(name: str, steps: int, warmup: int, dtype: str) -> None:
+    step = seekforge_step_fn(dtype) if name == "seekforge" else hf_step_fn(name.split(":", 1)[1], dtype)
     losses = [step() for _ in range(warmup)]
     times, cpu_times = [], []
     for _ in range(steps):
@@ -131,22 +133,24 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--variants", default=",".join(HF_VARIANTS), help="transformers experts implementations")
     p.add_argument("--child", help=argparse.SUPPRESS)
+    dtype_arg(p)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if args.child:
-        child(args.child, args.steps, args.warmup)
+        child(args.child, args.steps, args.warmup, args.dtype)
         return
 
     cfg = model_config()
-    peak = measure_peak_flops(torch.bfloat16, seconds=1.0)
+    dtype, peak = machine_header(args.dtype)
+    dtype_name = str(dtype).removeprefix("torch.")
     fpt = flops_per_token(cfg, SEQ, with_mtp=False)
-    print(f"train step, preset small (MTP off), batch {BATCH}×{SEQ}, bf16 autocast, {args.threads} threads, "
-          f"torch {torch.__version__}")
+    print(f"train step, preset small (MTP off), batch {BATCH}×{SEQ}, {dtype_name} "
+          f"({'autocast, fp32 master weights' if dtype == torch.bfloat16 else 'fp32'}), {args.threads} threads")
     print(f"model: {fpt / 1e6:.1f} MFLOP/token (6·activated matmul params + attention, see train/flops.py)")
     results = []
     for name in ["seekforge"] + [f"transformers:{v}" for v in args.variants.split(",") if v]:
         cmd = [sys.executable, __file__, "--child", name, "--steps", str(args.steps), "--warmup", str(args.warmup),
-               "--threads", str(args.threads)]
+               "--threads", str(args.threads), "--dtype", args.dtype]
         out = subprocess.run(cmd, capture_output=True, text=True)
         if out.returncode != 0:
             print(f"{name}: failed\n{out.stderr[-2000:]}")
@@ -155,8 +159,8 @@ def main() -> None:
         results.append(result)
     # The probe runs again after the contenders and the higher value is kept: a neighbour's burst
     # during one probe would otherwise deflate the peak and inflate every MFU.
-    peak = max(peak, measure_peak_flops(torch.bfloat16, seconds=1.0))
-    print(f"bf16 matmul peak (1024³, best of a probe before and after): {peak / 1e9:.0f} GFLOP/s")
+    peak = max(peak, measure_peak_flops(dtype, seconds=1.0))
+    print(f"{dtype_name} matmul peak (1024³, best of a probe before and after): {peak / 1e9:.0f} GFLOP/s")
     for result in results:
         name = result["name"]
         print(f"{name:>26}: {result['tokens_per_s']:8.0f} tokens/s (median; best {result['best_tokens_per_s']:.0f}) | "

@@ -364,8 +364,8 @@ class ParallelConfig:
         if world_size != self.world_size:
             rest = self.world_size // self.dp_shard
             hint = f"dp_shard={world_size // rest}" if world_size % rest == 0 else "a layout whose product matches"
-            raise ValueError(f"pp*dp_replicate*dp_shard*cp*tp = {self.pp}*{self.dp_replicate}*{self.dp_shard}*"
-                             f"{self.cp}*{self.tp} = {self.world_size}, but the world size is {world_size}; "
+            raise ValueError(f"pp*dp_replicate*dp_shard*tp = {self.pp}*{self.dp_replicate}*{self.dp_shard}*"
+                             f"{self.tp} = {self.world_size}, but the world size is {world_size}; "
                              f"use {hint}")
         if model.num_attention_heads % self.tp:
             raise ValueError(f"tp={self.tp} does not divide num_attention_heads={model.num_attention_heads}; "

@@ -325,7 +325,11 @@ def save_hf(model: Transformer, path: str | Path, max_shard_size: int | str = "5
         if len(shards) > 1:
             index = {"metadata": {"total_size": sum(e.nbytes for e in entries)}, "weight_map": weight_map}
             (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-        (tmp / "config.json").write_text(json.dumps(hf_config(model, dtype, fp8), indent=2) + "\n")
+        config = hf_config(model, dtype, fp8)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        # transformers' generate() stops at generation_config's eos_token_id, not config.json's.
+        generation = {k: config[k] for k in ("bos_token_id", "eos_token_id") if config.get(k) is not None}
+        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
         replace_dir(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -389,7 +393,7 @@ def replace_dir(tmp: Path, path: Path) -> None:
         os.replace(tmp, path)
         return
     for item in path.iterdir():
-        if item.suffix == ".safetensors" or item.name in (INDEX_FILE, "config.json"):
+        if item.suffix == ".safetensors" or item.name in (INDEX_FILE, "config.json", "generation_config.json"):
             continue
         if item.is_dir():
             shutil.copytree(item, tmp / item.name)

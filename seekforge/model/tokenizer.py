@@ -2,12 +2,16 @@
 tokenizer for the built-in corpora (no files, no download).
 
 Both expose: encode(text, add_bos=False) → list[int], decode(ids) → str, vocab_size, bos_token_id,
-eos_token_id, apply_chat_template(messages, add_generation_prompt=True) → str.
+eos_token_id, apply_chat_template(messages, add_generation_prompt=True) → str, and save(directory),
+which writes a `tokenizer.json` + `tokenizer_config.json` that `transformers.AutoTokenizer` loads and
+that encodes exactly as the tokenizer itself does.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import shutil
 from pathlib import Path
 
 import jinja2.sandbox
@@ -30,7 +34,11 @@ class ByteTokenizer:
         self.bos_token, self.eos_token = self.SPECIALS[0], self.SPECIALS[1]
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
-        ids = list(text.encode("utf-8"))
+        # A special token's text becomes its id, as HF tokenizers parse added tokens in text.
+        ids = []
+        for piece in _SPECIALS_PATTERN.split(text):
+            special = self.SPECIALS.index(piece) if piece in self.SPECIALS else -1
+            ids.extend([256 + special] if special >= 0 else piece.encode("utf-8"))
         return [self.bos_token_id, *ids] if add_bos else ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
@@ -46,6 +54,28 @@ class ByteTokenizer:
         return render_chat_template(self.chat_template, messages, add_generation_prompt,
                                     bos_token="", eos_token="")
 
+    def save(self, directory: str | Path) -> None:
+        """The same tokenizer as a `tokenizers` byte-level BPE with no merges: GPT-2's byte-to-unicode
+        alphabet maps byte b to one symbol whose id is b, and the specials keep ids 256–258."""
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+        from tokenizers.pre_tokenizers import ByteLevel
+
+        alphabet = ByteLevel.alphabet()  # the 256 symbols standing for bytes 0-255, in no byte order
+        symbol_of_byte = _bytes_to_unicode()
+        assert sorted(alphabet) == sorted(symbol_of_byte.values())
+        vocab = {symbol_of_byte[b]: b for b in range(256)}
+        tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        tokenizer.add_special_tokens(list(self.SPECIALS))
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        tokenizer.save(str(directory / "tokenizer.json"))
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": self.bos_token,
+                  "eos_token": self.eos_token, "pad_token": self.SPECIALS[2], "add_bos_token": False,
+                  "add_eos_token": False, "clean_up_tokenization_spaces": False, "chat_template": self.chat_template}
+        (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
 
 class HFTokenizer:
     """A `tokenizer.json` directory; special tokens and chat template from `tokenizer_config.json`."""
@@ -57,6 +87,7 @@ class HFTokenizer:
         file = path / "tokenizer.json" if path.is_dir() else path
         if not file.exists():
             raise ValueError(f"no tokenizer.json at {path}; pass a directory holding one, or --tokenizer byte")
+        self.file = file
         try:
             self._tok = Tokenizer.from_file(str(file))
         except Exception as e:  # the Rust error says little; name the file
@@ -82,9 +113,30 @@ class HFTokenizer:
         return render_chat_template(self.chat_template, messages, add_generation_prompt,
                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "")
 
+    def save(self, directory: str | Path) -> None:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        for file in (self.file, self.file.parent / "tokenizer_config.json"):
+            if file.exists() and file.parent.resolve() != directory.resolve():
+                shutil.copy(file, directory / file.name)
+
+
+_SPECIALS_PATTERN = re.compile("(" + "|".join(re.escape(t) for t in ByteTokenizer.SPECIALS) + ")")
+
 
 def _token_text(token) -> str | None:
     return token.get("content") if isinstance(token, dict) else token
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's printable stand-in for each byte (what `tokenizers`' ByteLevel works on)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    symbols, extra = dict(zip(printable, map(chr, printable), strict=True)), 0
+    for b in range(256):
+        if b not in symbols:
+            symbols[b] = chr(256 + extra)
+            extra += 1
+    return symbols
 
 
 def render_chat_template(template: str, messages: list[dict], add_generation_prompt: bool, **special) -> str:

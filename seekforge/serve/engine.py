@@ -243,15 +243,20 @@ class LLM:
     """Offline batched generation: `LLM("tiny").generate(prompts, SamplingParams(...))`.
 
     `model`: a preset name, an HF-format checkpoint directory, or a built `Transformer` (then pass
-    `tokenizer`, default the byte tokenizer). Other keyword arguments are `EngineConfig` fields."""
+    `tokenizer`, default the byte tokenizer). `dtype` for a loaded model: "auto" (bf16 where the
+    hardware runs it natively, else fp32), "bf16", "fp32" or a torch dtype. Other keyword arguments
+    are `EngineConfig` fields."""
 
-    def __init__(self, model: str | Transformer = "tiny", tokenizer=None, dtype=torch.float32, **engine_kwargs):
+    def __init__(self, model: str | Transformer = "tiny", tokenizer=None, dtype: str | torch.dtype = "auto",
+                 **engine_kwargs):
         from seekforge.model.load import load_model
+        from seekforge.model.precision import resolve_dtype
         from seekforge.model.tokenizer import load_tokenizer
 
         if isinstance(model, Transformer):
             tokenizer = tokenizer or load_tokenizer("byte")
         else:
+            dtype = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype)[0]
             model, loaded_tokenizer = load_model(model, dtype)
             tokenizer = tokenizer or loaded_tokenizer
         self.engine = LLMEngine(model, tokenizer, EngineConfig(**engine_kwargs))

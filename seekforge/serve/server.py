@@ -317,7 +317,8 @@ def add_arguments(p):
     p.add_argument("--host", default="127.0.0.1", help="bind address; 0.0.0.0 exposes the server")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="auto: bfloat16 where the hardware runs it natively (GPU, AVX512-BF16/AMX), else float32")
     p.add_argument("--kv-cache-memory", default="512MiB", help="memory for the paged latent KV cache")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=256)
@@ -343,12 +344,15 @@ def run(args):
     import uvicorn
 
     from seekforge.model.load import load_model
+    from seekforge.model.precision import resolve_dtype
     from seekforge.serve.engine import LLMEngine
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tokenizer = load_model(args.model, getattr(torch, args.dtype))
+    dtype, why = resolve_dtype(args.dtype)
+    logging.getLogger("seekforge.serve").info("dtype: %s", why)
+    model, tokenizer = load_model(args.model, dtype)
     engine = AsyncEngine(LLMEngine(model, tokenizer, engine_config_from_args(args)))
     app = build_app(engine, args.served_model_name or args.model, args.api_key)
     try:

@@ -1,7 +1,8 @@
 """`seekforge convert`: training checkpoints ⇄ Hugging Face directories.
 
     DCP → HF   a step_* directory (or a run directory / its checkpoints/, meaning `latest`) becomes
-               an HF `DeepseekV3ForCausalLM` directory (config.json + safetensors) via model/hf.py.
+               an HF `DeepseekV3ForCausalLM` directory (config.json + safetensors) via model/hf.py, with
+               the run's tokenizer (train_config.yaml) saved beside it.
     HF → DCP   an HF directory becomes a weights-only DCP checkpoint `OUT/checkpoints/step_000000`;
                `seekforge pretrain --out-dir OUT` then continues training from those weights with a
                fresh optimizer (the model config is taken from the checkpoint).
@@ -13,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import yaml
 
 from seekforge.config import ModelConfig
 
@@ -34,6 +36,7 @@ def resolve_checkpoint(source: str | Path) -> Path:
 def dcp_to_hf(source: str | Path, hf_dir: str | Path, dtype: torch.dtype | None = torch.bfloat16) -> Path:
     from seekforge.model.hf import save_hf
     from seekforge.model.model import build_model
+    from seekforge.model.tokenizer import load_tokenizer
     from seekforge.train.checkpoint import load_checkpoint
 
     ckpt = resolve_checkpoint(source)
@@ -42,6 +45,10 @@ def dcp_to_hf(source: str | Path, hf_dir: str | Path, dtype: torch.dtype | None 
     model = build_model(ModelConfig.from_hf(ckpt), "cpu", torch.float32)
     load_checkpoint(ckpt, model, restore_rng=False)
     save_hf(model, hf_dir, dtype=dtype)
+    run_config = ckpt.parent.parent / "train_config.yaml"  # RUN/checkpoints/step_N: the run's tokenizer
+    if run_config.exists():
+        tokenizer = yaml.safe_load(run_config.read_text()).get("tokenizer", "byte")
+        load_tokenizer(tokenizer).save(hf_dir)
     return Path(hf_dir)
 
 

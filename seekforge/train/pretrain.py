@@ -40,13 +40,15 @@ from seekforge.train.config_file import train_config_to_dict
 from seekforge.train.trainer import Trainer, prepare_model
 
 
-def resolve_model_config(cfg: TrainConfig, tokenizer_vocab: int) -> ModelConfig:
+def resolve_model_config(cfg: TrainConfig, tokenizer) -> ModelConfig:
     """The preset (+ model overrides) with vocab_size = the tokenizer's, rounded up to a multiple
-    of 64 (aligned matmul shapes; the extra rows are never targets). An explicit
-    model.vocab_size wins; resuming a run uses the config stored in its checkpoint instead."""
-    if "vocab_size" in cfg.model:
-        return cfg.model_config()
-    return cfg.model_config(vocab_size=64 * math.ceil(tokenizer_vocab / 64))
+    of 64 (aligned matmul shapes; the extra rows are never targets), and the tokenizer's BOS/EOS ids
+    (the export's config.json and generation_config.json carry them). An explicit model.vocab_size
+    wins; resuming a run uses the config stored in its checkpoint instead."""
+    special = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
+    model_cfg = cfg.model_config() if "vocab_size" in cfg.model else cfg.model_config(
+        vocab_size=64 * math.ceil(tokenizer.vocab_size / 64))
+    return model_cfg.replace(**{k: v for k, v in special.items() if k not in cfg.model})
 
 
 def build_data(cfg: TrainConfig, tokenizer, dp_rank: int = 0, dp_size: int = 1):
@@ -99,7 +101,7 @@ def pretrain(cfg: TrainConfig) -> list[dict]:
     out_dir = Path(cfg.out_dir)
     torch.manual_seed(cfg.seed)
     tokenizer = load_tokenizer(cfg.tokenizer)
-    model_cfg = resolve_model_config(cfg, tokenizer.vocab_size)
+    model_cfg = resolve_model_config(cfg, tokenizer)
     latest = latest_checkpoint(out_dir / "checkpoints") if cfg.resume else None
     if latest is not None and (latest / "config.json").exists():
         model_cfg = ModelConfig.from_hf(latest)
@@ -184,18 +186,15 @@ def _train(cfg: TrainConfig, pc: ParallelConfig | None, model_cfg: ModelConfig, 
         return
     sample_model = plain
     if cfg.export_hf:
-        hf_dir = export_hf(plain, tokenizer, cfg, out_dir / "hf")
+        hf_dir = export_hf(plain, tokenizer, out_dir / "hf")
         sample_model, _ = load_model(str(hf_dir))  # sampling from the export also proves it loads
     if cfg.sample_prompt:
         print_sample(sample_model, tokenizer, cfg.sample_prompt)
 
 
-def export_hf(model, tokenizer, cfg: TrainConfig, hf_dir: Path) -> Path:
+def export_hf(model, tokenizer, hf_dir: Path) -> Path:
     save_hf(model, hf_dir)
-    if cfg.tokenizer != "byte":  # the byte tokenizer needs no files; load_model falls back to it
-        for name in ("tokenizer.json", "tokenizer_config.json"):
-            if (Path(cfg.tokenizer) / name).exists():
-                shutil.copy(Path(cfg.tokenizer) / name, hf_dir / name)
+    tokenizer.save(hf_dir)  # a tokenizer.json that transformers.AutoTokenizer loads, the byte tokenizer too
     print(f"HF checkpoint: {hf_dir} (load with transformers or `seekforge generate --model {hf_dir}`)")
     return hf_dir
 

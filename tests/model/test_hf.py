@@ -174,7 +174,7 @@ def test_save_replaces_old_weights_and_keeps_other_files(tmp_path):
     (tmp_path / "ckpt" / "tokenizer.json").write_text("{}")
     save_hf(model, tmp_path / "ckpt", dtype=torch.bfloat16)
     files = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
-    assert files == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert files == ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json"]
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]  # no temporary directory left behind
     config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
     assert config["torch_dtype"] == "bfloat16"

@@ -26,8 +26,14 @@ def test_pretrain_cli_writes_run_artifacts(tmp_path, capsys):
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
     assert (out / "loss.png").stat().st_size > 1000
     assert latest_checkpoint(out / "checkpoints").name == "step_000004"
-    assert (out / "hf" / "config.json").exists()
     assert (out / "train_config.yaml").exists()
+    # The export names the byte tokenizer's real special ids, and carries a tokenizer transformers loads.
+    for name in ("config.json", "generation_config.json"):
+        exported = json.loads((out / "hf" / name).read_text())
+        assert (exported["bos_token_id"], exported["eos_token_id"]) == (256, 257), name
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(out / "hf")("ab<|eos|>")["input_ids"] == [97, 98, 257]
 
     # Rerunning the same command resumes; the finished run has nothing left to do.
     main(["pretrain", "--config", str(config), "--out-dir", str(out), "--set", "sample_prompt="])
