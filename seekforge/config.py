@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 
 @dataclass
 class ModelConfig:
@@ -307,6 +309,19 @@ def parse_bytes(size: str | int, what: str = "memory size") -> int:
 PIPELINE_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
                       "ZBVZeroBubble", "DualPipeV")
 MULTI_STAGE_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+
+
+def parse_parallel(spec: str) -> dict[str, Any]:
+    """"dp_shard=2,tp=2,pp_split_points=[2,4]" → {"dp_shard": 2, "tp": 2, "pp_split_points": [2, 4]}
+    (ParallelConfig keys; YAML values; commas inside [...] belong to the value)."""
+    out: dict[str, Any] = {}
+    for item in re.split(r",(?![^\[]*\])", spec):
+        key, eq, text = item.strip().partition("=")
+        if not eq or not key or not text:
+            raise ValueError(f"--parallel {spec!r}: {item!r} is not key=value; write e.g. "
+                             "--parallel dp_shard=2,tp=2 (keys of ParallelConfig in seekforge/config.py)")
+        out[key] = yaml.safe_load(text)
+    return out
 
 
 @dataclass

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from seekforge.config import PRESETS, ModelConfig, ParallelConfig, parse_bytes, preset
+from seekforge.config import PRESETS, ModelConfig, ParallelConfig, parse_bytes, parse_parallel, preset
 
 GiB = 2**30
 
@@ -78,21 +78,7 @@ def _model(args) -> ModelConfig:
 
 
 def _parallel(spec: str, **overrides) -> ParallelConfig:
-    import yaml
-
-    values = {}
-    for item in filter(None, _split(spec)):
-        key, eq, text = item.partition("=")
-        if not eq:
-            raise ValueError(f"--parallel {spec!r}: {item!r} is not key=value; write e.g. dp_shard=8,ep=8")
-        values[key.strip()] = yaml.safe_load(text)
-    return ParallelConfig(**{**values, **overrides})
-
-
-def _split(spec: str) -> list[str]:
-    import re
-
-    return re.split(r",(?![^\[]*\])", spec)
+    return ParallelConfig(**{**parse_parallel(spec), **overrides}) if spec else ParallelConfig(**overrides)
 
 
 def run(args):

@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from seekforge.config import TrainConfig
-from seekforge.train.config_file import load_train_config, parse_overrides, parse_parallel
+from seekforge.config import TrainConfig, parse_parallel
+from seekforge.train.config_file import load_train_config, parse_overrides
 
 # Flags for the common fields: (flag, TrainConfig field, type). Everything else: --set key=value.
 _FLAGS = [

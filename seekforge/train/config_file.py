@@ -8,7 +8,6 @@ raise ValueError naming the key, so a typo never silently trains the default.
 from __future__ import annotations
 
 import dataclasses
-import re
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -68,19 +67,6 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
             out.setdefault(table, {})[name] = value
         else:
             out[key] = value
-    return out
-
-
-def parse_parallel(spec: str) -> dict[str, Any]:
-    """"dp_shard=2,tp=2,pp_split_points=[2,4]" → {"dp_shard": 2, "tp": 2, "pp_split_points": [2, 4]}
-    (ParallelConfig keys; YAML values; commas inside [...] belong to the value)."""
-    out: dict[str, Any] = {}
-    for item in re.split(r",(?![^\[]*\])", spec):
-        key, eq, text = item.strip().partition("=")
-        if not eq or not key or not text:
-            raise ValueError(f"--parallel {spec!r}: {item!r} is not key=value; write e.g. "
-                             "--parallel dp_shard=2,tp=2 (keys of ParallelConfig in seekforge/config.py)")
-        out[key] = yaml.safe_load(text)
     return out
 
 

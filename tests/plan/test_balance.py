@@ -95,7 +95,7 @@ def test_v3_pp16_beats_the_even_split_quickly():
 
 
 def test_parallel_arg_round_trips_through_the_config():
-    from seekforge.train.config_file import parse_parallel  # the pretrain CLI's parser
+    from seekforge.config import parse_parallel  # the pretrain CLI's parser
 
     cfg = preset("small")
     pc = ParallelConfig(pp=2, microbatches=4)

@@ -4,10 +4,13 @@ import time
 
 import pytest
 
-from seekforge.config import ParallelConfig, preset
+from seekforge.config import (
+    ParallelConfig,
+    parse_parallel,  # the pretrain CLI's --parallel parser
+    preset,
+)
 from seekforge.plan.memory import estimate_memory
 from seekforge.plan.search import Cluster, search, why_nothing_fits
-from seekforge.train.config_file import parse_parallel  # the pretrain CLI's --parallel parser
 
 
 def test_v2_lite_plans_fit_and_are_ranked():

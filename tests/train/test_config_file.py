@@ -97,7 +97,7 @@ def test_unparsable_file_and_wrong_extension(tmp_path):
 
 
 def test_parallel_table_and_flag(tmp_path):
-    from seekforge.train.config_file import parse_parallel
+    from seekforge.config import parse_parallel
 
     path = tmp_path / "c.yaml"
     path.write_text("preset: tiny\nrecompute: full\nparallel:\n  dp_shard: 2\n  tp: 2\n")
