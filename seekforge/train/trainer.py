@@ -207,7 +207,12 @@ class Trainer:
         return (values[:-1] / values[-1]).tolist()
 
     def _mfu(self, tokens_per_s: float) -> float:
-        return model_flops_utilization(tokens_per_s * self.flops_per_token / self.num_devices, self.peak_flops)
+        achieved = tokens_per_s * self.flops_per_token / self.num_devices
+        if achieved > self.peak_flops and not self.cfg.peak_flops:
+            # The probe ran on a busier machine than this step did: probe again, and never report the
+            # peak as lower than what a step just reached.
+            self.peak_flops = max(achieved, measure_peak_flops(self.compute_dtype, self.device))
+        return model_flops_utilization(achieved, self.peak_flops)
 
     def evaluate(self) -> float:
         """Mean lm loss over the fixed held-out batches. MoE token counts are restored afterwards:
