@@ -41,7 +41,8 @@ class DumpConfig:
 
 @dataclass
 class MonitorConfig:
-    modules: list[str] = field(default_factory=lambda: ["layers.*", "mtp.*"])  # see module_matcher
+    # Blocks and the head by default: `layers.*` would also match every submodule (`*` crosses dots).
+    modules: list[str] = field(default_factory=lambda: ["re:layers\\.\\d+", "re:mtp\\.\\d+", "lm_head"])
     interval: int = 1  # steps between records (anomaly rules run every step)
     window: int = 20  # running mean over this many previous steps
     min_history: int = 3  # steps seen before spike rules fire
