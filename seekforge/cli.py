@@ -19,6 +19,7 @@ VERBS = {
     "convert": ("seekforge.train.convert", "convert between seekforge checkpoints and HF format"),
     "serve": ("seekforge.serve.server", "serve a model behind an OpenAI-compatible HTTP API"),
     "bench": ("seekforge.serve.bench", "benchmark a running server (`seekforge bench serve`)"),
+    "probe": ("seekforge.probe.cli", "dump, compare and report module activations; trace a running job"),
 }
 
 

@@ -10,7 +10,8 @@ changes (`echo 5 > OUT/probe/trace_request`; its content, if a number, is N). Ea
 own file DIR/trace_rank{R}_steps{A}-{B}.json, renamed into place when complete, so a reader never
 sees half a file. Nothing happens between requests but a clock read and a stat per step.
 
-MetricsServer: /metrics (Prometheus text) and POST /trace?steps=N on one port, in a daemon thread.
+MetricsServer: /metrics (Prometheus text) and POST /debug/trace?steps=N (the same route as
+`seekforge serve`) on one port, in a daemon thread.
 """
 
 from __future__ import annotations
@@ -156,19 +157,19 @@ class OnDemandTracer:
 
 
 class MetricsServer:
-    """GET /metrics and POST /trace?steps=N on `port` (0: any free port; see .port)."""
+    """GET /metrics and POST /debug/trace?steps=N on `port` (0: any free port; see .port)."""
 
     def __init__(self, port: int, registry: CollectorRegistry, tracer: OnDemandTracer, host: str = "127.0.0.1"):
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self):
                 if urlparse(self.path).path != "/metrics":
-                    return self._reply(404, b"not found: GET /metrics or POST /trace?steps=N\n")
+                    return self._reply(404, b"not found: GET /metrics or POST /debug/trace?steps=N\n")
                 self._reply(200, generate_latest(registry), "text/plain; version=0.0.4")
 
             def do_POST(self):
                 url = urlparse(self.path)
-                if url.path != "/trace":
-                    return self._reply(404, b"not found: GET /metrics or POST /trace?steps=N\n")
+                if url.path != "/debug/trace":
+                    return self._reply(404, b"not found: GET /metrics or POST /debug/trace?steps=N\n")
                 try:
                     steps = tracer.request(int(parse_qs(url.query)["steps"][0]) if "steps" in url.query else None)
                 except ValueError as e:

@@ -61,8 +61,8 @@ def test_request_trigger_file_signal_and_http(tmp_path):
     server = MetricsServer(0, registry, tracer)
     try:
         url = f"http://127.0.0.1:{server.port}"
-        assert httpx.post(f"{url}/trace?steps=1").status_code == 202
-        assert httpx.post(f"{url}/trace?steps=0").status_code == 400
+        assert httpx.post(f"{url}/debug/trace?steps=1").status_code == 202
+        assert httpx.post(f"{url}/debug/trace?steps=0").status_code == 400
         run_steps(tracer, timer, 13, 1)
         assert tracer.written[-1].name == "trace_rank0_steps13-13.json"
         body = httpx.get(f"{url}/metrics").text
@@ -105,7 +105,7 @@ def test_pretrain_traces_on_request_and_keeps_training(tmp_path):
     traces = run / "probe" / "traces"
     try:
         wait_for(lambda: logged_steps(run) >= 3, 120, proc, "training steps")
-        response = httpx.post(f"http://127.0.0.1:{port}/trace?steps=2", timeout=10)
+        response = httpx.post(f"http://127.0.0.1:{port}/debug/trace?steps=2", timeout=10)
         assert response.status_code == 202
         first = wait_for(lambda: sorted(traces.glob("*.json")), 60, proc, "the HTTP-requested trace")
         assert_chrome_trace(first[0])
