@@ -3,10 +3,9 @@
 import pytest
 
 from seekforge.cli import main
-from seekforge.config import ModelConfig
+from seekforge.config import preset
 from seekforge.model.hf import save_hf
 from seekforge.model.model import build_model
-from tests.probe.conftest import SIZES
 
 
 def test_help_explains_every_mode(capsys):
@@ -22,9 +21,9 @@ def test_help_explains_every_mode(capsys):
 
 def test_dump_transformers_and_seekforge_then_compare_and_report(tmp_path, capsys):
     pytest.importorskip("transformers")
-    # SIZES, not the tiny preset: the presets export num_key_value_heads=128 (the ModelConfig default),
-    # and transformers' eager MLA repeats keys num_attention_heads // 128 = 0 times.
-    save_hf(build_model(ModelConfig(**SIZES), seed=0), tmp_path / "hf")
+    # The tiny preset (4 heads): its export must say num_key_value_heads=4, or transformers' eager
+    # MLA repeats the keys 4 // 128 = 0 times.
+    save_hf(build_model(preset("tiny"), seed=0), tmp_path / "hf")
     for impl in ("seekforge", "transformers"):
         main(["probe", "dump", "--model", str(tmp_path / "hf"), "--impl", impl, "--out", str(tmp_path / impl)])
     main(["probe", "compare", str(tmp_path / "seekforge"), str(tmp_path / "transformers"), "--mapping",
