@@ -2,7 +2,7 @@
 collapsible tree (<details>/<summary>), each node coloured by the worst metric anywhere below it, so
 a reader follows the red from the root down to where the error enters. The first diverging module
 carries the class `first-diverging` and a visible label; a few lines of inline JS open the path to
-it and scroll it into view. No external assets: the file opens offline and can be attached to an
+it (the summary line links to it). No external assets: the file opens offline and can be attached to an
 issue."""
 
 from __future__ import annotations
@@ -36,17 +36,18 @@ td, th { border: 1px solid #ddd; padding: 1px 6px; text-align: right; }
 td.l, th.l { text-align: left; }
 tr.fail td { background: #fde8e4; }
 .toolbar button { margin-right: .5em; }
+details.rows { border-left: none; }
+.rows-summary { color: #666; font-size: .85em; }
 """
 
 _JS = """
 const marked = document.querySelector('details.first-diverging');
-for (let node = marked; node; node = node.parentElement && node.parentElement.closest('details')) {
+for (let node = marked; node; node = node.parentElement && node.parentElement.closest('details.node')) {
   node.open = true;
 }
-if (marked) { marked.scrollIntoView({block: 'nearest'}); }
-function setAll(open) { document.querySelectorAll('details').forEach(d => { d.open = open; }); }
+function setAll(open) { document.querySelectorAll('details.node').forEach(d => { d.open = open; }); }
 function showFailing() {
-  document.querySelectorAll('details').forEach(d => { d.open = d.classList.contains('fail'); });
+  document.querySelectorAll('details.node').forEach(d => { d.open = d.classList.contains('fail'); });
 }
 document.body.dataset.rendered = 'true';
 """
@@ -122,7 +123,8 @@ def _fmt(value) -> str:
     return html.escape(str(value))
 
 
-def _rows_table(rows: list[dict]) -> str:
+def _rows_table(rows: list[dict], open_: bool) -> str:
+    """This module's own slots, folded away under one line unless `open_` (the diverging module)."""
     if not rows:
         return ""
     head = ["direction", "call", "slot", "status", *METRICS, "norm_a", "norm_b", "shape_a", "note"]
@@ -131,14 +133,17 @@ def _rows_table(rows: list[dict]) -> str:
         cells = "".join(f'<td class="{"l" if h in ("direction", "slot", "status", "note") else ""}">'
                         f'{_fmt(row.get(h))}</td>' for h in head)
         out.append(f'<tr class="{row["status"]}">{cells}</tr>')
-    return "".join(out) + "</table>"
+    fails = sum(r["status"] == "fail" for r in rows)
+    return (f'<details class="rows"{" open" if open_ else ""}><summary class="rows-summary">{len(rows)} slots of '
+            f'this module ({fails} fail)</summary>' + "".join(out) + "</table></details>")
 
 
 def _render(node: Node, divergence: dict | None, warn_cosine: float) -> str:
     label = node.name.rsplit(".", 1)[-1] if node.name else "(model)"
     classes = ["node", _status(node, warn_cosine)]
     marker = ""
-    if divergence and node.name == divergence["module"]:
+    diverging = bool(divergence and node.name == divergence["module"])
+    if diverging:
         classes.append("first-diverging")
         marker = (f'<span class="divergence-label">first divergence ({divergence["direction"]}, '
                   f'call {divergence["call"]})</span>')
@@ -147,9 +152,10 @@ def _render(node: Node, divergence: dict | None, warn_cosine: float) -> str:
         f"{node.fails}/{node.compared} slots fail")
     children = "".join(_render(child, divergence, warn_cosine) for child in node.children.values())
     cls = f'<span class="cls">{html.escape(node.cls)}</span>' if node.cls else ""
-    return (f'<details class="{" ".join(classes)}" data-module="{html.escape(node.name)}">'
+    anchor = ' id="first-divergence"' if diverging else ""
+    return (f'<details class="{" ".join(classes)}" data-module="{html.escape(node.name)}"{anchor}>'
             f'<summary><span class="swatch"></span>{html.escape(label)}{cls}<span class="metric">{metric}</span>'
-            f'{marker}</summary>{_rows_table(node.rows)}{children}</details>')
+            f'{marker}</summary>{_rows_table(node.rows, diverging)}{children}</details>')
 
 
 def render_html(comparison: Comparison, title: str = "seekforge probe comparison",
@@ -159,7 +165,8 @@ def render_html(comparison: Comparison, title: str = "seekforge probe comparison
     body = _render(tree, comparison.first_divergence, warn_cosine)
     return (f'<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
             f'<style>{_CSS}</style></head><body><h1>{html.escape(title)}</h1>'
-            f'<p class="summary">{html.escape(comparison.summary())}</p>'
+            f'<p class="summary">{html.escape(comparison.summary())}'
+            f'{" · <a href=#first-divergence>go to it</a>" if comparison.first_divergence else ""}</p>'
             '<p class="toolbar"><button onclick="setAll(true)">expand all</button>'
             '<button onclick="setAll(false)">collapse all</button>'
             '<button onclick="showFailing()">failing only</button></p>'

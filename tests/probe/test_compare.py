@@ -63,7 +63,7 @@ def test_planted_bug_is_found_and_marked(tmp_path, tiny_model, batch, plant):
     assert before and all(r["status"] == "pass" and r["max_abs_err"] == 0 for r in before)
     page = render_html(comparison)
     assert len(re.findall(r'class="[^"]*first-diverging', page)) == 1  # one marked node
-    assert '<details class="node fail first-diverging" data-module="layers.1.self_attn">' in page
+    assert '<details class="node fail first-diverging" data-module="layers.1.self_attn" id="first-divergence">' in page
     assert "first divergence (forward, call 0)" in page
 
 

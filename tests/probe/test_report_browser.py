@@ -30,7 +30,7 @@ def test_report_renders_with_divergence_marked(tmp_path, tiny_model, batch):
     page = write_report(comparison, tmp_path / "report.html")
     dom = chromium("--dump-dom", page.as_uri())
     assert 'data-rendered="true"' in dom  # the inline script ran to its end
-    marked = re.findall(r'<details class="([^"]*)" data-module="([^"]*)"( open="")?>', dom)
+    marked = re.findall(r'<details class="([^"]*)" data-module="([^"]*)"(?: id="[^"]*")?( open="")?>', dom)
     diverging = [(cls, name, is_open) for cls, name, is_open in marked if "first-diverging" in cls]
     assert diverging == [("node fail first-diverging", "layers.1.self_attn", ' open=""')]
     # The script opened exactly the path from the root down to it.
