@@ -54,12 +54,14 @@ class Dump:
     classes: dict[str, str]
     tensor_file: Path | None
 
+    def __post_init__(self):
+        # One open file (memory-mapped) for all lookups; tensors are read one at a time.
+        self._tensors = safe_open(str(self.tensor_file), "pt") if self.tensor_file else None
+        self._keys = set(self._tensors.keys()) if self._tensors else set()
+
     def tensor(self, direction: str, module: str, call: int, slot: str) -> torch.Tensor | None:
-        if self.tensor_file is None:
-            return None
-        with safe_open(str(self.tensor_file), "pt") as f:
-            key = f"{direction}/{module}/{call}/{slot}"
-            return f.get_tensor(key) if key in f.keys() else None
+        key = f"{direction}/{module}/{call}/{slot}"
+        return self._tensors.get_tensor(key) if key in self._keys else None
 
 
 def load_dump(path: str | Path) -> Dump:

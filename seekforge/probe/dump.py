@@ -168,6 +168,8 @@ class Dumper:
 
     def _pre_hook(self, name: str):
         def hook(module, args, kwargs):
+            if _replaying():
+                return
             record = self._new_record(name, module, "forward")
             # Inputs are read at call time: the caller may change them in place afterwards.
             self._add(record, "input", "input", args)
@@ -177,6 +179,8 @@ class Dumper:
 
     def _post_hook(self, name: str):
         def hook(module, args, kwargs, output):
+            if _replaying():
+                return
             record = self._pending[name].pop()
             # A bare tensor is slot output.0, as the first element of a tuple would be: implementations
             # that return (out, attn_weights) and ones that return out then line up.
@@ -191,6 +195,11 @@ class Dumper:
             self._add(record, "input", "grad_input", grad_input)
             self._finish(record)
         return hook
+
+
+def _replaying() -> bool:
+    """A forward run inside backward is activation recompute replaying a call already recorded."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def module_classes(model: nn.Module) -> dict[str, str]:

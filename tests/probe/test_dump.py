@@ -106,3 +106,16 @@ def test_bad_config_names_the_fix(tmp_path):
     (tmp_path / "probe.yaml").write_text("dump: {mode: tensor, stepz: [1]}\n")
     with pytest.raises(ValueError, match="stepz"):
         load_probe_config(tmp_path / "probe.yaml")
+
+
+def test_activation_recompute_replays_are_not_new_calls(tmp_path):
+    """Checkpointed blocks run their forward again inside backward; those replays are not recorded."""
+    from torch.utils.checkpoint import checkpoint
+
+    inner = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    outer = nn.ModuleDict({"block": inner})
+    x = torch.randn(2, 4, requires_grad=True)
+    with Dumper(outer, DumpConfig(out_dir=str(tmp_path))).step(0):
+        checkpoint(outer["block"], x, use_reentrant=False).sum().backward()
+    forward = [(r["module"], r["call"]) for r in records(tmp_path) if r["direction"] == "forward"]
+    assert forward == [("block.0", 0), ("block.1", 0), ("block.2", 0), ("block", 0)]
