@@ -36,7 +36,7 @@ VARIANTS = {
     "baseline": None,
     "monitor": "monitor: {interval: 1}\n",
     "dump:statistics": "dump: {mode: statistics, out_dir: dump}\n",
-    "dump:tensor": "dump: {mode: tensor, modules: ['re:layers\\\\.\\\\d+'], slots: [output], out_dir: dump}\n",
+    "dump:tensor": "dump: {mode: tensor, modules: ['re:layers\\.\\d+'], slots: [output], out_dir: dump}\n",
 }
 
 
