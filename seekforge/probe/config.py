@@ -26,7 +26,7 @@ SLOTS = ("input", "output")
 class DumpConfig:
     mode: str = "statistics"  # statistics | tensor (also writes safetensors) | md5 (also a hash per tensor)
     modules: list[str] = field(default_factory=lambda: ["*"])
-    steps: list[int] = field(default_factory=list)  # [] = every step
+    steps: list[int] = field(default_factory=list)  # [] = every step; pretrain counts from 1, as metrics.jsonl
     ranks: list[int] = field(default_factory=list)  # [] = every rank
     directions: list[str] = field(default_factory=lambda: list(DIRECTIONS))
     slots: list[str] = field(default_factory=lambda: list(SLOTS))  # forward inputs/outputs, grads of both

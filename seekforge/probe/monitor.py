@@ -30,10 +30,10 @@ log = logging.getLogger("seekforge.probe")
 
 
 def norm_of(tensors: list[torch.Tensor]) -> float:
-    """L2 norm over a list of tensors (0.0 for none)."""
+    """L2 norm over a list of tensors (0.0 for none); one fused multi-tensor kernel, as clip_grad_norm_."""
     if not tensors:
         return 0.0
-    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(local(t).float()) for t in tensors])))
+    return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm([local(t) for t in tensors]))))
 
 
 def spike(value: float, history: deque, factor: float, min_history: int) -> bool:
@@ -138,7 +138,7 @@ class Monitor:
             entry["exp_avg_sq_norm"] = norm_of([m["exp_avg_sq"] for m in moments if "exp_avg_sq" in m])
             before = state.get("weights_before", {}).get(name)
             if before:
-                update = norm_of([local(p).detach() - w for p, w in zip(params, before, strict=True)])
+                update = norm_of(torch._foreach_sub([local(p).detach() for p in params], before))
                 entry["update_ratio"] = update / max(norm_of(before), 1e-12)
         row = {"step": step, "loss": loss, "grad_norm": grad_norm, "modules": modules,
                "expert_load": state.get("expert_load", {})}
