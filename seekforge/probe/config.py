@@ -41,8 +41,9 @@ class DumpConfig:
 
 @dataclass
 class MonitorConfig:
-    # Blocks and the head by default: `layers.*` would also match every submodule (`*` crosses dots).
-    modules: list[str] = field(default_factory=lambda: ["re:layers\\.\\d+", "re:mtp\\.\\d+", "lm_head"])
+    # The blocks (their outputs are the residual stream) by default; `layers.*` would also match every
+    # submodule (`*` crosses dots). The head's (B, T, V) logits cost more to summarize than a block.
+    modules: list[str] = field(default_factory=lambda: ["re:layers\\.\\d+", "re:mtp\\.\\d+"])
     interval: int = 1  # steps between records (anomaly rules run every step)
     window: int = 20  # running mean over this many previous steps
     min_history: int = 3  # steps seen before spike rules fire

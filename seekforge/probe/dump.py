@@ -67,12 +67,20 @@ def tensor_summary(t: torch.Tensor, with_md5: bool = False) -> dict:
     if t.numel() == 0:
         summary["values"] = None
     else:
-        x = t if t.is_floating_point() else t.float()
-        acc = torch.float64 if x.dtype == torch.float64 else torch.float32  # bf16/fp16 reduce in fp32
+        # Everything but fp64 reduces in fp32; one upcast copy first is ~2x faster on CPU than reductions
+        # that upcast element by element (bf16 mean and norm with dtype=float32).
+        x = t if t.dtype in (torch.float32, torch.float64) else t.float()
+        acc = x.dtype
         low, high = torch.aminmax(x)
-        summary["values"] = torch.stack([high.to(acc), low.to(acc), x.mean(dtype=acc),
-                                         torch.linalg.vector_norm(x, dtype=acc),
-                                         x.isnan().sum().to(acc), x.isinf().sum().to(acc)])
+        norm = torch.linalg.vector_norm(x, dtype=acc)
+        if x.device.type == "cpu" and torch.isfinite(norm):
+            # A finite norm means no NaN or Inf; on CPU checking costs no device wait, and counting
+            # (a bool tensor and its sum) would cost more than all the other statistics together.
+            nan = inf = torch.zeros((), dtype=acc)
+        else:
+            nan, inf = torch.count_nonzero(x.isnan()), torch.count_nonzero(x.isinf())
+        summary["values"] = torch.stack([high.to(acc), low.to(acc), x.mean(dtype=acc), norm, nan.to(acc),
+                                         inf.to(acc)])
     if with_md5:
         summary["md5"] = hashlib.md5(t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy()).hexdigest()
     return summary
