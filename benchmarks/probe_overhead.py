@@ -1,6 +1,6 @@
 """Probe overhead on the `small` preset's training step: the step with seekforge's probe in each
-mode against the same step without it, in one process, the variants interleaved step by step so
-that load drift on shared cores hits them all alike.
+mode against the same step without it, in one process, the variants interleaved step by step (the
+order rotated every round) so that load drift on shared cores hits them all alike.
 
   baseline        Trainer.train_step with no probe config (the always-on phase timer and trace
                   trigger check only: a clock read per phase and a stat per step)
@@ -93,8 +93,10 @@ def main() -> None:
             trainer.train_step()  # warm-up: allocator, autocast caches
         wall = {name: [] for name in trainers}
         cpu = {name: [] for name in trainers}
-        for _ in range(args.steps):
-            for name, trainer in trainers.items():
+        names = list(trainers)
+        for i in range(args.steps):
+            for name in names[i % len(names):] + names[:i % len(names)]:  # rotated: no variant always first
+                trainer = trainers[name]
                 start_wall, start_cpu = time.perf_counter(), time.process_time()
                 trainer.train_step()
                 wall[name].append(time.perf_counter() - start_wall)
