@@ -4,9 +4,10 @@ order rotated every round) so that load drift on shared cores hits them all alik
 
   baseline        Trainer.train_step with no probe config (the always-on phase timer and trace
                   trigger check only: a clock read per phase and a stat per step)
-  monitor         statistics monitor (blocks + head: activation and output-gradient statistics,
-                  weight-gradient / Adam-moment / update-ratio norms, expert loads, anomaly rules),
-                  recording every step — the setting that must stay under 10%
+  monitor         the statistics monitor with its defaults: every block's output and output-gradient
+                  statistics and the anomaly rules every step, a record (weight-gradient, Adam-moment
+                  and update-ratio norms, expert loads) every 10 steps — must stay under 10%
+  monitor:every-step   the same with a record every step
   dump:statistics every module's inputs, outputs and gradients as statistics, written every step
   dump:tensor     the blocks' outputs and output gradients as tensors (safetensors), every step
 
@@ -35,7 +36,8 @@ from seekforge.train.trainer import Trainer
 BATCH, SEQ = 8, 256
 VARIANTS = {
     "baseline": None,
-    "monitor": "monitor: {interval: 1}\n",
+    "monitor": "monitor: {}\n",
+    "monitor:every-step": "monitor: {interval: 1}\n",
     "dump:statistics": "dump: {mode: statistics, out_dir: dump}\n",
     "dump:tensor": "dump: {mode: tensor, modules: ['re:layers\\.\\d+'], slots: [output], out_dir: dump}\n",
 }

@@ -44,7 +44,9 @@ class MonitorConfig:
     # The blocks (their outputs are the residual stream) by default; `layers.*` would also match every
     # submodule (`*` crosses dots). The head's (B, T, V) logits cost more to summarize than a block.
     modules: list[str] = field(default_factory=lambda: ["re:layers\\.\\d+", "re:mtp\\.\\d+"])
-    interval: int = 1  # steps between records (anomaly rules run every step)
+    # Steps between records. The anomaly rules and the statistics they dump run every step; a record's
+    # weight/optimizer-state norms read every parameter twice and copy it once (~10% of a CPU step).
+    interval: int = 10
     window: int = 20  # running mean over this many previous steps
     min_history: int = 3  # steps seen before spike rules fire
     loss_spike_factor: float = 3.0  # alert when loss > factor × running mean

@@ -27,12 +27,12 @@ def read_jsonl(path):
 
 
 def test_monitor_numbers_match_direct_computation(tmp_path):
-    trainer = make_trainer(tmp_path, "monitor: {modules: ['re:layers\\.\\d+', lm_head]}\n")
+    trainer = make_trainer(tmp_path, "monitor: {modules: ['re:layers\\.\\d+', lm_head], interval: 2}\n")
     layer = trainer.model.layers[1]
     for _ in range(2):
         before = [p.detach().clone() for p in layer.parameters()]
         trainer.train_step()
-    row = read_jsonl(tmp_path / "run/probe/monitor_rank0.jsonl")[-1]
+    (row,) = read_jsonl(tmp_path / "run/probe/monitor_rank0.jsonl")  # step 2 only: interval 2
     entry = row["modules"]["layers.1"]
     update = torch.stack([(p.detach() - b).norm() for p, b in zip(layer.parameters(), before, strict=True)]).norm()
     weight = torch.stack([b.norm() for b in before]).norm()
