@@ -20,6 +20,7 @@ VERBS = {
     "serve": ("seekforge.serve.server", "serve a model behind an OpenAI-compatible HTTP API"),
     "bench": ("seekforge.serve.bench", "benchmark a running server (`seekforge bench serve`)"),
     "plan": ("seekforge.plan.cli", "plan a training job: memory, pipeline schedules, stage balance, layout search"),
+    "probe": ("seekforge.probe.cli", "dump, compare and report module activations; trace a running job"),
 }
 
 

@@ -380,6 +380,9 @@ def hf_config(model: Transformer, dtype: torch.dtype | None, fp8: bool) -> dict:
     # (auto_map points at remote-code .py files we do not write; transformers has deepseek_v3 built in).
     for stale in ("quantization_config", "torch_dtype", "dtype", "auto_map"):
         config.pop(stale, None)
+    # MLA has no key/value head groups, but transformers repeats keys num_attention_heads //
+    # num_key_value_heads times: equal counts (DeepSeek-V3's 128/128), not the dataclass default 128.
+    config["num_key_value_heads"] = model.cfg.num_attention_heads
     dtype_name = str(dtype or model.embed_tokens.weight.dtype).removeprefix("torch.")
     config["torch_dtype"] = config["dtype"] = dtype_name  # transformers 4 reads the first, 5 the second
     if fp8:

@@ -2,7 +2,8 @@
 
 Endpoints: /v1/completions, /v1/chat/completions (both with SSE streaming, a final usage chunk under
 stream_options.include_usage, and the usage so far in every chunk under continuous_usage_stats, as in
-vLLM), /v1/models, /health, /metrics (Prometheus).
+vLLM), /v1/models, /health, /metrics (Prometheus), POST /debug/trace?steps=N (a profiler trace of the
+next N engine steps, probe/trace.py).
 Every bad request gets a 400 in OpenAI's error shape ({"error": {"message", "type", "param",
 "code"}}); the engine keeps running. A client that disconnects has its request aborted and its KV
 blocks freed.
@@ -22,6 +23,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from seekforge.probe.trace import OnDemandTracer, StepTimer
 from seekforge.serve.engine import AsyncEngine, RequestOutput, chat_prompt_ids
 from seekforge.serve.metrics import ServerMetrics
 from seekforge.serve.protocol import ChatCompletionRequest, CompletionRequest
@@ -53,12 +55,16 @@ def _validation_message(exc: RequestValidationError) -> str:
     return "; ".join(parts) or "invalid request"
 
 
-def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) -> FastAPI:
+def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
+              trace_dir: str = "traces") -> FastAPI:
     app = FastAPI(title="seekforge")
     core = engine.engine
     tokenizer = core.tokenizer
     metrics = ServerMetrics(core)
     app.state.metrics = metrics
+    # Every engine step timed (seekforge_serve_phase_seconds) and traceable on request.
+    app.state.tracer = tracer = OnDemandTracer(trace_dir)
+    core.step = tracer.wrap(core.step, StepTimer(metrics.registry, "seekforge_serve"))
 
     @app.exception_handler(APIError)
     async def _api_error(_, exc: APIError):
@@ -103,6 +109,10 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
     @app.get("/metrics")
     async def prometheus():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.post("/debug/trace", dependencies=v1, status_code=202)
+    async def trace(steps: int = 3):
+        return {"steps": tracer.request(steps), "dir": str(tracer.out_dir)}
 
     @app.get("/v1/models", dependencies=v1)
     async def models():
@@ -328,6 +338,7 @@ def add_arguments(p):
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--trace-dir", default="traces", help="where POST /debug/trace and SIGUSR2 write profiler traces")
 
 
 def engine_config_from_args(args):
@@ -354,7 +365,8 @@ def run(args):
     logging.getLogger("seekforge.serve").info("dtype: %s", why)
     model, tokenizer = load_model(args.model, dtype)
     engine = AsyncEngine(LLMEngine(model, tokenizer, engine_config_from_args(args)))
-    app = build_app(engine, args.served_model_name or args.model, args.api_key)
+    app = build_app(engine, args.served_model_name or args.model, args.api_key, args.trace_dir)
+    app.state.tracer.install_signal()
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:

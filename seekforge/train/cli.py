@@ -31,6 +31,7 @@ _FLAGS = [
     ("--recompute", "recompute", str, "activation recompute: none | full | selective"),
     ("--seed", "seed", int, "model init and data order"),
     ("--out-dir", "out_dir", str, "run directory"),
+    ("--probe", "probe", str, "probe config YAML: module dumps, training monitor, metrics port (seekforge probe)"),
 ]
 _DEFAULTS = TrainConfig()
 # `seekforge pretrain` without --config or --preset: the `small` preset shrunk to hidden 192 and 4

@@ -38,6 +38,7 @@ from seekforge.model.precision import resolve_dtype
 from seekforge.parallel.parallelize import compile_blocks
 from seekforge.parallel.recompute import apply_recompute
 from seekforge.parallel.tp import loss_context
+from seekforge.probe.training import TrainingProbe
 from seekforge.train.balance import update_expert_bias
 from seekforge.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from seekforge.train.flops import flops_per_token, measure_peak_flops, model_flops_utilization
@@ -107,6 +108,7 @@ class Trainer:
         # measures ~1% of what fp32 training reaches (and an MFU of hundreds of percent).
         self.peak_flops = cfg.peak_flops or measure_peak_flops(self.compute_dtype, self.device)
         self._iterator = iter(loader)
+        self.probe = TrainingProbe.open(cfg.probe, self.modules, self.optimizers, self.out_dir)
 
     # ------------------------------------------------------------------ state
     def resume(self, path: str | Path | None = None) -> bool:
@@ -145,8 +147,10 @@ class Trainer:
         for module in self.modules:
             module.train()
         sums = dict.fromkeys(self.loss_names, torch.zeros((), device=self.device))
+        self.probe.begin_step(self.step + 1)
         for _ in range(cfg.grad_accum):
             batch = self._next_batch()
+            self.probe.mark("data")
             if self.runner is not None:  # forward and backward of all pipeline micro-batches
                 parts = self.runner.step(batch["input_ids"], batch["labels"], grad_scale=1 / cfg.grad_accum)
             else:
@@ -154,8 +158,10 @@ class Trainer:
                     with self._autocast():
                         loss, parts = lm_loss(self.model, batch["input_ids"], batch["labels"],
                                               batch.get("positions"), batch.get("segment_ids"), cfg.mtp_loss_scale)
+                    self.probe.mark("forward")
                     (loss / cfg.grad_accum).backward()
                 parts = {"loss": loss.detach(), **parts}
+            self.probe.mark("backward")  # a pipeline's schedule: forward and backward together
             for name, value in parts.items():
                 sums[name] = sums[name] + plain_tensor(value).float() / cfg.grad_accum
         if self.runner is not None:
@@ -166,11 +172,13 @@ class Trainer:
         max_norm = cfg.clip if cfg.clip > 0 else math.inf  # inf: measure the norm, clip nothing
         params = [p for module in self.modules for p in module.parameters()]
         grad_norm = clip_grad_norm(params, max_norm, self.pp_group, self.duplicates)
+        self.probe.before_optimizer(self.step + 1, grad_norm)
         lr = self.optimizers[0].param_groups[0]["lr"]
         for optimizer, scheduler in zip(self.optimizers, self.schedulers, strict=True):
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
+        self.probe.mark("optimizer")
         imbalance = update_expert_bias(self.moe_layers, cfg.bias_update_speed, self.dp_group)
         self.step += 1
 
@@ -183,6 +191,7 @@ class Trainer:
         if imbalance:
             metrics["expert_imbalance"] = imbalance  # max/mean tokens per expert, per MoE layer
             metrics["expert_imbalance_max"] = max(imbalance)
+        self.probe.end_step(self.step, metrics)
         return metrics
 
     def _take_aux_loss(self) -> torch.Tensor:
@@ -267,6 +276,7 @@ class Trainer:
             if cfg.save_interval and self.step % cfg.save_interval == 0 and self.step < end:
                 self.save()
         bar.close()
+        self.probe.close(self.step)
         if history:  # the final (or interrupted) state is always saved
             self.save()
         logger.close()
