@@ -1,0 +1,222 @@
+"""The GRPO loop on one process: rollout on the co-located engine → rewards → group advantages →
+packed training rows → μ optimizer steps → the engine serves the new weights.
+
+One iteration (`step`):
+  1. the step's prompts (a pure function of seed and step, so resume needs no data cursor beyond
+     the step) × G seeded completions through the engine (rl/rollout.py);
+  2. the engine sleeps (KV pool freed) while rewards, advantages and the training phase run;
+  3. old log-probs (when μ > 1) and reference log-probs (when β > 0) on the same packed rows;
+  4. μ optimizer steps over the whole batch, each the sum of the rows' gradients (rl/update.py);
+  5. the prefix cache is dropped: the engine's next request sees the new weights.
+Training state lives in train/'s checkpoint format (DCP: policy, optimizer, scheduler, the prompt
+position, RNG); the reference model is the base checkpoint, rebuilt from it on resume.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from seekforge.config import EngineConfig, TrainConfig
+from seekforge.data.corpora import ArithmeticTask, check_answer
+from seekforge.rl.algorithm import BatchTotals, group_advantages
+from seekforge.rl.config import GRPOConfig
+from seekforge.rl.packing import pack_sequences
+from seekforge.rl.rewards import RewardSet
+from seekforge.rl.rollout import Rollout, offload
+from seekforge.rl.update import LossSettings, TrainingBatch, accumulate_gradients, sequence_log_probs
+from seekforge.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from seekforge.train.metrics import MetricsLogger
+from seekforge.train.optim import build_optimizer, clip_grad_norm
+
+
+class PromptStream:
+    """The built-in task's prompts. Step s's prompts come from a generator seeded by (seed, s), so
+    they depend only on the step; held-out prompts come from another seed and are never trained on.
+    `position` (the next step) is the data position a checkpoint stores."""
+
+    def __init__(self, levels: list[int], seed: int, num_eval: int):
+        self.task, self.seed, self.position = ArithmeticTask(seed, tuple(levels)), seed, 0
+        eval_rng = random.Random(f"eval-{seed}")
+        self.eval_set = [self.task.sample(eval_rng) for _ in range(num_eval)]
+        self._held_out = {prompt for prompt, _ in self.eval_set}
+
+    def prompts(self, step: int, count: int) -> list[tuple[str, str]]:
+        rng, out = random.Random(f"train-{self.seed}-{step}"), []
+        while len(out) < count:
+            prompt, answer = self.task.sample(rng)
+            if prompt not in self._held_out:
+                out.append((prompt, answer))
+        return out
+
+    def state_dict(self) -> dict:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = int(state["position"])
+
+
+def encode_prompt(tokenizer, prompt: str) -> list[int]:
+    """Pretraining documents follow an end-of-document token (data/dataset joins documents with it),
+    so a prompt starts after one, as every question the base model saw did."""
+    return [tokenizer.eos_token_id, *tokenizer.encode(prompt)]
+
+
+class GRPOTrainer:
+    def __init__(self, cfg: GRPOConfig, policy, tokenizer, reference=None, out_dir: str | Path | None = None):
+        """policy: the Transformer to train (the engine runs on this very module); reference: a frozen
+        copy of the starting policy, needed when cfg.beta > 0."""
+        if cfg.beta > 0 and reference is None:
+            raise ValueError(f"beta={cfg.beta} needs a reference model; pass one or set beta=0")
+        self.cfg, self.policy, self.tokenizer, self.reference = cfg, policy, tokenizer, reference
+        self.out_dir = Path(out_dir or cfg.out_dir)
+        self.device = policy.embed_tokens.weight.device
+        # GRPO trains the next-token head only: MTP modules get no gradient, so they are not trained
+        # (and the optimizer keeps no state for them, which a checkpoint's optimizer state must match).
+        policy.mtp.requires_grad_(False)
+        schedule = TrainConfig(preset="tiny", lr=cfg.lr, min_lr=cfg.lr, warmup=cfg.warmup, steps=cfg.steps * cfg.mu,
+                               weight_decay=cfg.weight_decay, betas=(0.9, 0.99))  # constant after warmup
+        self.optimizer, self.scheduler = build_optimizer(policy, schedule)
+        self.rewards = RewardSet(list(cfg.rewards), list(cfg.reward_weights))
+        self.prompt_stream = PromptStream(cfg.task_levels, cfg.seed, cfg.eval_prompts)
+        self.loss_settings = LossSettings(cfg.loss_type, cfg.clip_low, cfg.clip_high, cfg.beta)
+        block_size = 16
+        self.rollout = Rollout(policy, tokenizer, EngineConfig(
+            block_size=block_size, kv_cache_memory=cfg.kv_cache_memory,
+            max_num_seqs=max(cfg.prompts_per_step * cfg.group_size, 1), max_num_batched_tokens=4096))
+        self.moe_layers = policy.moe_layers()
+        self.step_count = 0
+        if reference is not None:
+            reference.requires_grad_(False).eval()
+            self._park(reference)
+
+    # ------------------------------------------------------------------ state
+    def save(self) -> Path:
+        return save_checkpoint(self.out_dir / "checkpoints", self.step_count, self.policy, self.optimizer,
+                               self.scheduler, self.prompt_stream, keep=self.cfg.keep_checkpoints)
+
+    def resume(self, path: str | Path | None = None) -> bool:
+        path = path or latest_checkpoint(self.out_dir / "checkpoints")
+        if path is None:
+            return False
+        self.step_count = load_checkpoint(path, self.policy, self.optimizer, self.scheduler, self.prompt_stream)
+        self.rollout.weights_updated()
+        return True
+
+    def _park(self, module_or_optimizer) -> None:
+        if self.cfg.swap and self.device.type != "cpu":
+            offload(module_or_optimizer, "cpu")
+
+    # ------------------------------------------------------------------ one iteration
+    def _seeds(self, step: int, count: int) -> list[int]:
+        # disjoint per (step, prompt) streams; completion j of prompt i draws from seed + j
+        return [(self.cfg.seed * 1_000_003 + step * 10_007 + i) * self.cfg.group_size for i in range(count)]
+
+    def step(self) -> dict:
+        cfg, tok = self.cfg, self.tokenizer
+        step = self.step_count
+        samples = self.prompt_stream.prompts(step, cfg.prompts_per_step)
+        prompt_ids = [encode_prompt(tok, p) for p, _ in samples]
+        start = time.perf_counter()
+        completions = self.rollout.generate(prompt_ids, cfg.group_size, cfg.max_new_tokens, cfg.temperature,
+                                            self._seeds(step, len(samples)))
+        rollout_time = time.perf_counter() - start
+        if cfg.swap:
+            self.rollout.sleep()
+
+        start = time.perf_counter()
+        G = cfg.group_size
+        texts = [tok.decode(c) for c in completions]
+        prompts_text = [p for p, _ in samples for _ in range(G)]
+        metas = [{"answer": answer} for _, answer in samples for _ in range(G)]
+        rewards, metrics = self.rewards.scores(prompts_text, texts, metas)
+        rewards = torch.tensor(rewards)
+        advantages = group_advantages(rewards, G, cfg.scale_rewards)
+        seq_prompts = [p for p in prompt_ids for _ in range(G)]
+        rows = pack_sequences(seq_prompts, completions, cfg.max_pack_tokens, cfg.max_pack_count)
+        lengths = [len(c) for c in completions]
+        old = sequence_log_probs(self.policy, rows, len(completions)) if cfg.mu > 1 else None
+        ref = None
+        if cfg.beta > 0:
+            offload(self.reference, self.device)
+            ref = sequence_log_probs(self.reference, rows, len(completions))
+            self._park(self.reference)
+        batch = TrainingBatch(lengths, advantages, old, ref)
+        totals = BatchTotals(len(completions), sum(lengths), cfg.max_new_tokens)
+        offload(self.optimizer, self.device)
+        self.policy.train()
+        for _ in range(cfg.mu):
+            sums = accumulate_gradients(self.policy, rows, batch, totals, self.loss_settings)
+            grad_norm = clip_grad_norm(list(self.policy.parameters()), cfg.clip_grad or math.inf)
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        for moe in self.moe_layers:  # the routing bias stays as pretrained; the counts are not used
+            moe.tokens_per_expert.zero_()
+        self._park(self.optimizer)
+        self.rollout.weights_updated()
+        train_time = time.perf_counter() - start
+        self.step_count += 1
+        self.prompt_stream.position = self.step_count
+
+        by_group = rewards.view(-1, G)
+        train_tokens = sum(len(p) + len(c) for p, c in zip(seq_prompts, completions, strict=True)) * cfg.mu
+        metrics.update(
+            reward_mean=rewards.mean().item(), reward_std=rewards.std().item(),
+            zero_std_groups=(by_group.std(dim=1) == 0).float().mean().item(),
+            loss=sums["loss"], clip_fraction=sums["clipped"], entropy=sums["entropy"], grad_norm=grad_norm.item(),
+            response_length=sum(lengths) / len(lengths), lr=self.scheduler.get_last_lr()[0],
+            rollout_tokens_per_s=sum(lengths) / rollout_time, train_tokens_per_s=train_tokens / train_time,
+            rollout_time_s=rollout_time, train_time_s=train_time, packed_rows=len(rows))
+        if cfg.beta > 0:
+            metrics["kl"] = sums["kl"]
+        return metrics
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Held-out accuracy: greedy completions of the fixed held-out prompts, graded by the task."""
+        eval_set = self.prompt_stream.eval_set
+        if not eval_set:
+            return float("nan")
+        ids = [encode_prompt(self.tokenizer, p) for p, _ in eval_set]
+        completions = self.rollout.generate(ids, 1, self.cfg.max_new_tokens, temperature=0.0)
+        correct = [check_answer(self.tokenizer.decode(c), a) for c, (_, a) in zip(completions, eval_set, strict=True)]
+        if self.cfg.swap:
+            self.rollout.sleep()
+        return sum(correct) / len(correct)
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self, stop_at: int | None = None, progress: bool = True) -> list[dict]:
+        """Iterate until cfg.steps (or `stop_at`). Held-out accuracy at the start, every eval_interval
+        steps and at the end. Returns this call's per-step metrics (also in metrics.jsonl)."""
+        cfg = self.cfg
+        end = min(cfg.steps, stop_at) if stop_at is not None else cfg.steps
+        logger = MetricsLogger(self.out_dir)
+        if self.step_count == 0 and cfg.eval_prompts:
+            logger.log(0, {"eval_accuracy": self.evaluate()})
+        history = []
+        bar = tqdm(total=cfg.steps, initial=self.step_count, unit="step", dynamic_ncols=True, disable=not progress)
+        while self.step_count < end:
+            metrics = self.step()
+            last = self.step_count == cfg.steps
+            if cfg.eval_prompts and (last or (cfg.eval_interval and self.step_count % cfg.eval_interval == 0)):
+                metrics["eval_accuracy"] = self.evaluate()
+            history.append(metrics)
+            logger.log(self.step_count, metrics)
+            bar.update(1)
+            postfix = {"reward": f"{metrics['reward_mean']:.2f}", "len": f"{metrics['response_length']:.1f}"}
+            if "eval_accuracy" in metrics:
+                postfix["acc"] = f"{metrics['eval_accuracy']:.2f}"
+            bar.set_postfix(postfix, refresh=False)
+            if cfg.save_interval and self.step_count % cfg.save_interval == 0 and self.step_count < end:
+                self.save()
+        bar.close()
+        if history:
+            self.save()
+        logger.close()
+        return history
