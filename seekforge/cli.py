@@ -19,6 +19,7 @@ VERBS = {
     "convert": ("seekforge.train.convert", "convert between seekforge checkpoints and HF format"),
     "serve": ("seekforge.serve.server", "serve a model behind an OpenAI-compatible HTTP API"),
     "bench": ("seekforge.serve.bench", "benchmark a running server (`seekforge bench serve`)"),
+    "grpo": ("seekforge.rl.cli", "GRPO post-training with co-located rollouts (built-in task by default)"),
 }
 
 

@@ -213,6 +213,8 @@ class GRPOTrainer:
             if "eval_accuracy" in metrics:
                 postfix["acc"] = f"{metrics['eval_accuracy']:.2f}"
             bar.set_postfix(postfix, refresh=False)
+            if "eval_accuracy" in metrics and progress:
+                bar.write(log_line(self.step_count, cfg.steps, metrics))
             if cfg.save_interval and self.step_count % cfg.save_interval == 0 and self.step_count < end:
                 self.save()
         bar.close()
@@ -220,3 +222,13 @@ class GRPOTrainer:
             self.save()
         logger.close()
         return history
+
+
+def log_line(step: int, steps: int, m: dict) -> str:
+    parts = [f"step {step:>4}/{steps}", f"reward {m['reward_mean']:.3f}±{m['reward_std']:.3f}",
+             f"held-out acc {m['eval_accuracy']:.3f}", f"zero-std groups {m['zero_std_groups']:.2f}",
+             f"clip {m['clip_fraction']:.3f}", f"entropy {m['entropy']:.3f}", f"len {m['response_length']:.1f}",
+             f"rollout {m['rollout_tokens_per_s']:,.0f} tok/s", f"train {m['train_tokens_per_s']:,.0f} tok/s"]
+    if "kl" in m:
+        parts.insert(4, f"kl {m['kl']:.4f}")
+    return " | ".join(parts)
