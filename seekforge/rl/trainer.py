@@ -20,11 +20,13 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
 from seekforge.config import EngineConfig, TrainConfig
 from seekforge.data.corpora import ArithmeticTask, check_answer
 from seekforge.rl.algorithm import BatchTotals, group_advantages
+from seekforge.rl.balance import balance_groups
 from seekforge.rl.config import GRPOConfig
 from seekforge.rl.packing import pack_sequences
 from seekforge.rl.rewards import RewardSet
@@ -109,8 +111,13 @@ class GRPOTrainer:
         return True
 
     def _park(self, module_or_optimizer) -> None:
+        """Off the compute device while idle (on CPU there is nowhere else to go)."""
         if self.cfg.swap and self.device.type != "cpu":
             offload(module_or_optimizer, "cpu")
+
+    def _unpark(self, module_or_optimizer) -> None:
+        if self.cfg.swap and self.device.type != "cpu":
+            offload(module_or_optimizer, self.device)
 
     # ------------------------------------------------------------------ one iteration
     def _seeds(self, step: int, count: int) -> list[int]:
@@ -118,40 +125,49 @@ class GRPOTrainer:
         return [(self.cfg.seed * 1_000_003 + step * 10_007 + i) * self.cfg.group_size for i in range(count)]
 
     def step(self) -> dict:
-        cfg, tok = self.cfg, self.tokenizer
+        cfg, tok, G = self.cfg, self.tokenizer, self.cfg.group_size
         step = self.step_count
         samples = self.prompt_stream.prompts(step, cfg.prompts_per_step)
         prompt_ids = [encode_prompt(tok, p) for p, _ in samples]
+        seeds = self._seeds(step, len(samples))
+        # Rollout: this rank's prompts; before generating, a prompt's expected work is its prompt
+        # tokens plus the completion budget.
+        mine = self._my_groups([G * (len(p) + cfg.max_new_tokens) for p in prompt_ids])
         start = time.perf_counter()
-        completions = self.rollout.generate(prompt_ids, cfg.group_size, cfg.max_new_tokens, cfg.temperature,
-                                            self._seeds(step, len(samples)))
+        local = self.rollout.generate([prompt_ids[i] for i in mine], G, cfg.max_new_tokens, cfg.temperature,
+                                      [seeds[i] for i in mine])
         rollout_time = time.perf_counter() - start
         if cfg.swap:
             self.rollout.sleep()
 
         start = time.perf_counter()
-        G = cfg.group_size
-        texts = [tok.decode(c) for c in completions]
-        prompts_text = [p for p, _ in samples for _ in range(G)]
-        metas = [{"answer": answer} for _, answer in samples for _ in range(G)]
-        rewards, metrics = self.rewards.scores(prompts_text, texts, metas)
-        rewards = torch.tensor(rewards)
+        texts = [tok.decode(c) for c in local]
+        prompts_text = [samples[i][0] for i in mine for _ in range(G)]
+        metas = [{"answer": samples[i][1]} for i in mine for _ in range(G)]
+        local_rewards, metrics = self.rewards.scores(prompts_text, texts, metas)
+        # Every rank learns every group's completions and rewards (token ids: small), so advantages are
+        # over whole groups and the training split can follow the actual sequence lengths.
+        completions, rewards, metrics = _all_groups(mine, local, local_rewards, metrics, len(samples), G)
         advantages = group_advantages(rewards, G, cfg.scale_rewards)
-        seq_prompts = [p for p in prompt_ids for _ in range(G)]
-        rows = pack_sequences(seq_prompts, completions, cfg.max_pack_tokens, cfg.max_pack_count)
+        group_tokens = [sum(len(prompt_ids[g]) + len(c) for c in completions[g * G:(g + 1) * G])
+                        for g in range(len(samples))]
+        seqs = [g * G + j for g in self._my_groups(group_tokens) for j in range(G)]  # this rank trains these
+        rows = pack_sequences([prompt_ids[i // G] for i in seqs], [completions[i] for i in seqs],
+                              cfg.max_pack_tokens, cfg.max_pack_count)
         lengths = [len(c) for c in completions]
-        old = sequence_log_probs(self.policy, rows, len(completions)) if cfg.mu > 1 else None
+        old = sequence_log_probs(self.policy, rows, len(seqs)) if cfg.mu > 1 else None
         ref = None
         if cfg.beta > 0:
-            offload(self.reference, self.device)
-            ref = sequence_log_probs(self.reference, rows, len(completions))
+            self._unpark(self.reference)
+            ref = sequence_log_probs(self.reference, rows, len(seqs))
             self._park(self.reference)
-        batch = TrainingBatch(lengths, advantages, old, ref)
+        batch = TrainingBatch([lengths[i] for i in seqs], advantages[seqs], old, ref)
         totals = BatchTotals(len(completions), sum(lengths), cfg.max_new_tokens)
-        offload(self.optimizer, self.device)
+        self._unpark(self.optimizer)
         self.policy.train()
         for _ in range(cfg.mu):
             sums = accumulate_gradients(self.policy, rows, batch, totals, self.loss_settings)
+            _sum_gradients_over_ranks(self.policy)
             grad_norm = clip_grad_norm(list(self.policy.parameters()), cfg.clip_grad or math.inf)
             self.optimizer.step()
             self.scheduler.step()
@@ -164,18 +180,24 @@ class GRPOTrainer:
         self.step_count += 1
         self.prompt_stream.position = self.step_count
 
+        sums = _sum_over_ranks(sums)
         by_group = rewards.view(-1, G)
-        train_tokens = sum(len(p) + len(c) for p, c in zip(seq_prompts, completions, strict=True)) * cfg.mu
+        num_tokens = sum(len(prompt_ids[i // G]) + lengths[i] for i in range(len(completions)))
         metrics.update(
             reward_mean=rewards.mean().item(), reward_std=rewards.std().item(),
             zero_std_groups=(by_group.std(dim=1) == 0).float().mean().item(),
             loss=sums["loss"], clip_fraction=sums["clipped"], entropy=sums["entropy"], grad_norm=grad_norm.item(),
             response_length=sum(lengths) / len(lengths), lr=self.scheduler.get_last_lr()[0],
-            rollout_tokens_per_s=sum(lengths) / rollout_time, train_tokens_per_s=train_tokens / train_time,
+            rollout_tokens_per_s=sum(lengths) / rollout_time, train_tokens_per_s=num_tokens * cfg.mu / train_time,
             rollout_time_s=rollout_time, train_time_s=train_time, packed_rows=len(rows))
         if cfg.beta > 0:
             metrics["kl"] = sums["kl"]
         return metrics
+
+    def _my_groups(self, group_work: list[int]) -> list[int]:
+        if not _distributed():
+            return list(range(len(group_work)))
+        return balance_groups(group_work, dist.get_world_size())[dist.get_rank()]
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -183,12 +205,14 @@ class GRPOTrainer:
         eval_set = self.prompt_stream.eval_set
         if not eval_set:
             return float("nan")
+        if _distributed():  # every rank grades its slice
+            eval_set = eval_set[dist.get_rank()::dist.get_world_size()]
         ids = [encode_prompt(self.tokenizer, p) for p, _ in eval_set]
-        completions = self.rollout.generate(ids, 1, self.cfg.max_new_tokens, temperature=0.0)
+        completions = self.rollout.generate(ids, 1, self.cfg.max_new_tokens, temperature=0.0) if ids else []
         correct = [check_answer(self.tokenizer.decode(c), a) for c, (_, a) in zip(completions, eval_set, strict=True)]
         if self.cfg.swap:
             self.rollout.sleep()
-        return sum(correct) / len(correct)
+        return _sum_over_ranks({"correct": float(sum(correct))})["correct"] / len(self.prompt_stream.eval_set)
 
     # ------------------------------------------------------------------ the loop
     def fit(self, stop_at: int | None = None, progress: bool = True) -> list[dict]:
@@ -196,7 +220,8 @@ class GRPOTrainer:
         steps and at the end. Returns this call's per-step metrics (also in metrics.jsonl)."""
         cfg = self.cfg
         end = min(cfg.steps, stop_at) if stop_at is not None else cfg.steps
-        logger = MetricsLogger(self.out_dir)
+        logger = MetricsLogger(self.out_dir, enabled=_is_main())
+        progress = progress and _is_main()
         if self.step_count == 0 and cfg.eval_prompts:
             logger.log(0, {"eval_accuracy": self.evaluate()})
         history = []
@@ -232,3 +257,61 @@ def log_line(step: int, steps: int, m: dict) -> str:
     if "kl" in m:
         parts.insert(4, f"kl {m['kl']:.4f}")
     return " | ".join(parts)
+
+
+# ---------------------------------------------------------------------------------------- data parallel
+# Under torchrun every rank holds a full replica of the policy and its own engine; the policy's
+# gradients are summed over ranks (the loss weights already divide by the global totals).
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _is_main() -> bool:
+    return not _distributed() or dist.get_rank() == 0
+
+
+def _all_groups(mine: list[int], completions: list[list[int]], rewards: list[float], metrics: dict,
+                num_groups: int, group_size: int) -> tuple[list[list[int]], torch.Tensor, dict]:
+    """This rank's groups' completions and rewards → every group's, in global order, and the reward
+    metrics over all ranks (means weighted by samples, errors summed)."""
+    pieces = [(mine, completions, rewards, metrics)]
+    if _distributed():
+        pieces = [None] * dist.get_world_size()
+        dist.all_gather_object(pieces, (mine, completions, rewards, metrics))
+    all_completions: list = [None] * (num_groups * group_size)
+    all_rewards = torch.zeros(num_groups * group_size)
+    for groups, comps, rews, _ in pieces:
+        for k, g in enumerate(groups):
+            for j in range(group_size):
+                all_completions[g * group_size + j] = comps[k * group_size + j]
+                all_rewards[g * group_size + j] = rews[k * group_size + j]
+    total = sum(len(p[1]) for p in pieces)
+    merged = {key: (sum(p[3][key] for p in pieces) if key == "reward_errors"
+                    else sum(p[3][key] * len(p[1]) for p in pieces) / total) for key in metrics}
+    return all_completions, all_rewards, merged
+
+
+def _sum_gradients_over_ranks(model) -> None:
+    """A routed expert may get tokens on one rank only: it gets a (zero) gradient everywhere iff some
+    rank has one, so the reductions line up and AdamW skips exactly what one process would skip."""
+    if not _distributed():
+        return
+    params = [p for p in model.parameters() if p.requires_grad]
+    has_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
+    dist.all_reduce(has_grad, op=dist.ReduceOp.MAX)
+    for p, any_rank in zip(params, has_grad.tolist(), strict=True):
+        if any_rank:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad)
+
+
+def _sum_over_ranks(values: dict[str, float]) -> dict[str, float]:
+    if not _distributed():
+        return values
+    names = sorted(values)
+    summed = torch.tensor([values[n] for n in names], dtype=torch.float64)
+    dist.all_reduce(summed)
+    return dict(zip(names, summed.tolist(), strict=True))
