@@ -48,9 +48,14 @@ def base_train_config(cfg: GRPOConfig, tokenizer, out_dir: Path) -> TrainConfig:
 
 
 def prepare_base(cfg: GRPOConfig, tokenizer, out_dir: Path, progress: bool = True) -> Path:
-    """Pretrain the built-in base into out_dir (once: an existing export is reused) → its HF directory."""
+    """Pretrain the built-in base into out_dir (once: an existing export is reused) → its HF directory.
+
+    Pretraining stops at the first check (every `base_check_interval` steps) whose held-out greedy
+    accuracy reaches `base_target_accuracy`, or after base_steps: GRPO should start from a model that
+    is right sometimes, not from one that has already learned the task."""
     from seekforge.model.hf import save_hf
     from seekforge.model.model import build_model
+    from seekforge.rl.trainer import held_out_accuracy
     from seekforge.train.trainer import Trainer
 
     hf_dir = out_dir / "hf"
@@ -61,8 +66,12 @@ def prepare_base(cfg: GRPOConfig, tokenizer, out_dir: Path, progress: bool = Tru
     windows = TaskWindows(tokenizer, cfg.task_levels, train_cfg.seq_len,
                           train_cfg.steps * train_cfg.micro_batch_size, cfg.seed)
     trainer = Trainer(train_cfg, model, BatchLoader(windows, train_cfg.micro_batch_size, cfg.seed), out_dir=out_dir)
-    if not progress:
-        trainer.cfg.log_interval = 0
-    trainer.fit()
+    while trainer.step < train_cfg.steps:
+        trainer.fit(stop_at=trainer.step + cfg.base_check_interval)
+        accuracy = held_out_accuracy(model, tokenizer, cfg)
+        if progress:
+            print(f"base model: step {trainer.step}, held-out accuracy {accuracy:.3f}", flush=True)
+        if accuracy >= cfg.base_target_accuracy:
+            break
     save_hf(model, hf_dir)
     return hf_dir

@@ -60,8 +60,10 @@ class GRPOConfig:
     resume: bool = True
     # preparing the built-in base (when `base` is empty)
     model: dict[str, Any] = field(default_factory=dict)  # ModelConfig overrides of DEFAULT_BASE_MODEL
-    base_steps: int = 400
+    base_steps: int = 1500  # at most; it stops early once base_target_accuracy is reached
     base_lr: float = 3e-3
+    base_check_interval: int = 100
+    base_target_accuracy: float = 0.3
 
     def __post_init__(self):
         self.validate()
@@ -73,7 +75,8 @@ class GRPOConfig:
         if not isinstance(self.group_size, int) or self.group_size < 2:
             bad("group_size", "must be an integer >= 2: advantages compare completions within a group")
         for key in ("steps", "prompts_per_step", "max_new_tokens", "mu", "max_pack_tokens", "max_pack_count",
-                    "keep_checkpoints", "base_steps"):
+                    "keep_checkpoints", "base_steps",
+                    "base_check_interval"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
                 bad(key, "must be a positive integer")
         for key in ("warmup", "eval_prompts", "eval_interval", "save_interval"):
@@ -84,6 +87,8 @@ class GRPOConfig:
                 bad(key, "must be >= 0")
         if self.clip_low >= 1:
             bad("clip_low", "must be < 1 (the ratio's lower bound is 1 - clip_low)")
+        if not 0 < self.base_target_accuracy <= 1:
+            bad("base_target_accuracy", "must be in (0, 1]")
         if self.temperature <= 0:
             bad("temperature", "must be > 0: GRPO needs different completions within a group")
         if self.lr <= 0 or self.base_lr <= 0:

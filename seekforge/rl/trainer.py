@@ -63,6 +63,16 @@ class PromptStream:
         self.position = int(state["position"])
 
 
+def held_out_accuracy(model, tokenizer, cfg: GRPOConfig) -> float:
+    """Greedy accuracy on the run's held-out prompts, on a throwaway engine (for the base model)."""
+    rollout = Rollout(model, tokenizer, EngineConfig(kv_cache_memory=cfg.kv_cache_memory,
+                                                     max_num_seqs=max(1, cfg.eval_prompts)))
+    eval_set = PromptStream(cfg.task_levels, cfg.seed, cfg.eval_prompts).eval_set
+    completions = rollout.generate([encode_prompt(tokenizer, p) for p, _ in eval_set], 1, cfg.max_new_tokens, 0.0)
+    return sum(check_answer(tokenizer.decode(c), a) for c, (_, a) in zip(completions, eval_set, strict=True)) / \
+        max(len(eval_set), 1)
+
+
 def encode_prompt(tokenizer, prompt: str) -> list[int]:
     """Pretraining documents follow an end-of-document token (data/dataset joins documents with it),
     so a prompt starts after one, as every question the base model saw did."""
