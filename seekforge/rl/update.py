@@ -3,9 +3,8 @@ algorithm's pieces, and accumulate gradients.
 
 Every rank holds its share of the rollout batch (whole groups, rl/balance.py) packed into rows; each
 row is one forward + backward. The loss weights come from the batch's global totals (`BatchTotals`),
-so the gradients summed over rows and ranks are the whole batch's gradient however it was split.
-Data-parallel wrappers *average* gradients over ranks; `grad_scale` = the number of ranks undoes
-that (1 when the caller sums them itself).
+so the gradients summed over rows and ranks (rl/trainer.py sums them over ranks) are the whole
+batch's gradient however it was split.
 """
 
 from __future__ import annotations
@@ -54,7 +53,7 @@ def _split_by_sequence(values: torch.Tensor, row: PackedRow) -> list[torch.Tenso
 
 
 def accumulate_gradients(model, rows: list[PackedRow], batch: TrainingBatch, totals: BatchTotals,
-                         settings: LossSettings, grad_scale: float = 1.0) -> dict[str, float]:
+                         settings: LossSettings) -> dict[str, float]:
     """Forward + backward of every row; gradients add up in .grad. → this rank's weighted sums
     {"loss", "clipped", "kl", "entropy"} (sum them over ranks for the batch's values)."""
     device = model.embed_tokens.weight.device
@@ -68,7 +67,7 @@ def accumulate_gradients(model, rows: list[PackedRow], batch: TrainingBatch, tot
         ref = torch.cat([batch.ref_logps[i] for i in row.sequences]).to(device) if settings.beta else None
         loss, stats = policy_loss(logp, old, batch.advantages[owner].to(device), weights, settings.clip_low,
                                   settings.clip_high, settings.beta, ref)
-        (loss * grad_scale).backward()
+        loss.backward()
         sums["loss"] += loss.item()
         sums["clipped"] += stats["clipped"].item()
         sums["kl"] += stats["kl"].item() if "kl" in stats else 0.0
