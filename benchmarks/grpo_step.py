@@ -10,8 +10,9 @@ the full 128 tokens: equal work, printed per side.
 seekforge: rollouts on its co-located continuous-batching engine (paged latent KV cache), training
 on dynamically packed rows. TRL: `transformers.generate` on the padded batch, training on padded
 micro-batches. Each contender runs in its own child process, one after the other, timed from after
-construction to the end of one iteration (TRL: `trainer.train()` for one step); the peak RSS of each
-child is its own. seekforge also runs with the memory swap off (KV pool kept through training), to
+construction; each runs two iterations and the second (warm) one is timed (TRL: from its
+`on_step_begin` to its `on_step_end` callback, which encloses generation, scoring and the update);
+the peak RSS of each child is its own. seekforge also runs with the memory swap off (KV pool kept through training), to
 show what the swap saves.
 
     PYTHONPATH=. python benchmarks/grpo_step.py [--preset small] [--threads N]
@@ -75,9 +76,11 @@ def prepare(workdir: Path, preset_name: str) -> None:
 
 
 def prompts_and_answers():
+    """Both iterations' prompts: seekforge's step 0 and step 1 prompts, in order."""
     from seekforge.rl.trainer import PromptStream
 
-    return PromptStream([1, 2, 3], seed=0, num_eval=0).prompts(0, PROMPTS)
+    stream = PromptStream([1, 2, 3], seed=0, num_eval=0)
+    return stream.prompts(0, PROMPTS) + stream.prompts(1, PROMPTS)
 
 
 def run_seekforge(workdir: Path, swap: bool) -> dict:
@@ -90,6 +93,7 @@ def run_seekforge(workdir: Path, swap: bool) -> dict:
                      max_new_tokens=MAX_NEW, temperature=1.0, loss_type="dapo", beta=0.0, lr=1e-6, swap=swap,
                      kv_cache_memory="512MiB", eval_prompts=0, out_dir=str(workdir / "sf_run"))
     trainer = GRPOTrainer(cfg, policy, tokenizer)
+    trainer.step()  # warm-up
     start = time.perf_counter()
     metrics = trainer.step()
     elapsed = time.perf_counter() - start
@@ -99,7 +103,7 @@ def run_seekforge(workdir: Path, swap: bool) -> dict:
 
 def run_trl(workdir: Path) -> dict:
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from seekforge.data.corpora import check_answer
@@ -112,17 +116,28 @@ def run_trl(workdir: Path) -> dict:
 
     tokenizer = AutoTokenizer.from_pretrained(workdir)
     model = AutoModelForCausalLM.from_pretrained(workdir, dtype=torch.float32)
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.durations, self.start = [], None
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.durations.append(time.perf_counter() - self.start)
+
+    timer = StepTimer()
     args = GRPOConfig(output_dir=str(workdir / "trl_run"), per_device_train_batch_size=PROMPTS * G, num_generations=G,
-                      max_completion_length=MAX_NEW, max_steps=1, learning_rate=1e-6, beta=0.0, loss_type="dapo",
+                      max_completion_length=MAX_NEW, max_steps=2, shuffle_dataset=False, learning_rate=1e-6,
+                      beta=0.0, loss_type="dapo",
                       epsilon_high=0.28, temperature=1.0, use_cpu=True, bf16=False, report_to="none",
                       save_strategy="no", logging_steps=1, disable_tqdm=True, seed=0)
     trainer = GRPOTrainer(model=model, reward_funcs=exact_answer, args=args, train_dataset=dataset,
-                          processing_class=tokenizer)
-    start = time.perf_counter()
+                          processing_class=tokenizer, callbacks=[timer])
     trainer.train()
-    elapsed = time.perf_counter() - start
     lengths = [m.get("completions/mean_length") for m in trainer.state.log_history if "completions/mean_length" in m]
-    return {"seconds": elapsed, "completion_tokens": (lengths[0] if lengths else float("nan")) * PROMPTS * G}
+    tokens = (lengths[-1] if lengths else float("nan")) * PROMPTS * G
+    return {"seconds": timer.durations[-1], "completion_tokens": tokens}
 
 
 def child(which: str, workdir: Path, threads: int | None) -> None:
