@@ -1,4 +1,4 @@
-"""The GRPO loop on one process: rollout on the co-located engine → rewards → group advantages →
+"""The GRPO loop: rollout on the co-located engine → rewards → group advantages →
 packed training rows → μ optimizer steps → the engine serves the new weights.
 
 One iteration (`step`):
@@ -8,7 +8,8 @@ One iteration (`step`):
   3. old log-probs (when μ > 1) and reference log-probs (when β > 0) on the same packed rows;
   4. μ optimizer steps over the whole batch, each the sum of the rows' gradients (rl/update.py);
   5. the prefix cache is dropped: the engine's next request sees the new weights.
-Training state lives in train/'s checkpoint format (DCP: policy, optimizer, scheduler, the prompt
+Under torchrun each rank runs this with its own policy replica and engine (see the data-parallel
+helpers at the end). Training state lives in train/'s checkpoint format (DCP: policy, optimizer, scheduler, the prompt
 position, RNG); the reference model is the base checkpoint, rebuilt from it on resume.
 """
 
