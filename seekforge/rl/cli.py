@@ -60,9 +60,10 @@ def config_from_args(args) -> GRPOConfig:
 
     given = vars(args)
     updates = {f: given[f] for f in [f[1] for f in _FLAGS] + ["rewards", "resume"] if f in given}
-    if "rewards" in updates and "reward_weights" not in str(given.get("overrides")):
+    overrides = parse_overrides(given.get("overrides", []))
+    if "rewards" in updates and "reward_weights" not in overrides:  # --reward a --reward b: weight 1 each
         updates["reward_weights"] = [1.0] * len(updates["rewards"])
-    return load_grpo_config(given.get("config"), {**updates, **parse_overrides(given.get("overrides", []))})
+    return load_grpo_config(given.get("config"), {**updates, **overrides})
 
 
 def run(args) -> None:
