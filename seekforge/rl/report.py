@@ -1,4 +1,5 @@
-"""The run's picture: reward mean (± std) per step and held-out accuracy, from metrics.jsonl."""
+"""The run's picture: reward mean per step and held-out accuracy, from metrics.jsonl. (The reward std
+is in the JSONL; for 0/1 rewards a ±std band spans most of the axis and hides the trend.)"""
 
 from __future__ import annotations
 
@@ -17,12 +18,8 @@ def plot_reward_curve(jsonl_path: str | Path, png_path: str | Path) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4))
     steps = [r for r in records if "reward_mean" in r]
     if steps:
-        x = [r["step"] for r in steps]
-        mean = [r["reward_mean"] for r in steps]
-        std = [r["reward_std"] for r in steps]
-        ax.plot(x, mean, label="reward mean (training samples)", linewidth=1)
-        ax.fill_between(x, [m - s for m, s in zip(mean, std, strict=True)],
-                        [m + s for m, s in zip(mean, std, strict=True)], alpha=0.15)
+        ax.plot([r["step"] for r in steps], [r["reward_mean"] for r in steps],
+                label="reward mean (training samples)", linewidth=1)
     evals = [(r["step"], r["eval_accuracy"]) for r in records if "eval_accuracy" in r]
     if evals:
         ax.plot(*zip(*evals, strict=True), "o-", label="held-out accuracy (greedy)")
