@@ -21,6 +21,7 @@ VERBS = {
     "bench": ("seekforge.serve.bench", "benchmark a running server (`seekforge bench serve`)"),
     "plan": ("seekforge.plan.cli", "plan a training job: memory, pipeline schedules, stage balance, layout search"),
     "probe": ("seekforge.probe.cli", "dump, compare and report module activations; trace a running job"),
+    "grpo": ("seekforge.rl.cli", "GRPO post-training with co-located rollouts (built-in task by default)"),
 }
 
 

@@ -1,0 +1,185 @@
+"""One GRPO iteration: seekforge's GRPOTrainer vs TRL's GRPOTrainer, same model, same settings.
+
+An iteration = rollout of 8 prompts × G = 8 completions of up to 128 new tokens (temperature 1) +
+rewards + the training phase (one optimizer step, dapo loss, β = 0, fp32 on CPU). Same model (the
+`small` preset without MTP, random weights, saved once as an HF checkpoint both sides load), same
+byte-level tokenizer (a tokenizer.json both sides read), same prompts (the arithmetic task's), same
+reward (exact answer). Random weights rarely emit end-of-sequence, so both sides generate close to
+the full 128 tokens: equal work, printed per side.
+
+seekforge: rollouts on its co-located continuous-batching engine (paged latent KV cache), training
+on dynamically packed rows. TRL: `transformers.generate` on the padded batch, training on padded
+micro-batches. Each contender runs in its own child process, one after the other, timed from after
+construction; each runs two iterations and the second (warm) one is timed (TRL: from its
+`on_step_begin` to its `on_step_end` callback, which encloses generation, scoring and the update);
+the peak RSS of each child is its own. seekforge also runs with the memory swap off (KV pool kept through training), to
+show what the swap saves.
+
+    PYTHONPATH=. python benchmarks/grpo_step.py [--preset small] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+PROMPTS, G, MAX_NEW = 8, 8, 128
+
+
+def write_byte_tokenizer(out: Path) -> None:
+    """tokenizer.json with id = byte value (ByteLevel alphabet, no merges) + <|bos|> <|eos|> <|pad|>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    byte_to_char = {b: c for b, c in _bytes_to_unicode().items() if c in alphabet}
+    tok = Tokenizer(models.BPE(vocab={byte_to_char[b]: b for b in range(256)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|bos|>", "<|eos|>", "<|pad|>"])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>",
+                                   pad_token="<|pad|>")
+    fast.save_pretrained(out)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's printable stand-in character for every byte (what ByteLevel pre-tokenization emits)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+def prepare(workdir: Path, preset_name: str) -> None:
+    from seekforge.config import preset
+    from seekforge.model.hf import save_hf
+    from seekforge.model.model import build_model
+
+    cfg = preset(preset_name, vocab_size=320, num_nextn_predict_layers=0, max_position_embeddings=512,
+                 bos_token_id=256, eos_token_id=257)
+    save_hf(build_model(cfg, seed=0), workdir)
+    write_byte_tokenizer(workdir)
+
+
+def prompts_and_answers():
+    """Both iterations' prompts: seekforge's step 0 and step 1 prompts, in order."""
+    from seekforge.rl.trainer import PromptStream
+
+    stream = PromptStream([1, 2, 3], seed=0, num_eval=0)
+    return stream.prompts(0, PROMPTS) + stream.prompts(1, PROMPTS)
+
+
+def run_seekforge(workdir: Path, swap: bool) -> dict:
+    from seekforge.model.load import load_model
+    from seekforge.rl.config import GRPOConfig
+    from seekforge.rl.trainer import GRPOTrainer
+
+    policy, tokenizer = load_model(str(workdir), torch.float32)
+    cfg = GRPOConfig(base=str(workdir), task_levels=[1, 2, 3], prompts_per_step=PROMPTS, group_size=G,
+                     max_new_tokens=MAX_NEW, temperature=1.0, loss_type="dapo", beta=0.0, lr=1e-6, swap=swap,
+                     kv_cache_memory="512MiB", eval_prompts=0, out_dir=str(workdir / "sf_run"))
+    trainer = GRPOTrainer(cfg, policy, tokenizer)
+    trainer.step()  # warm-up
+    start = time.perf_counter()
+    metrics = trainer.step()
+    elapsed = time.perf_counter() - start
+    return {"seconds": elapsed, "completion_tokens": metrics["response_length"] * PROMPTS * G,
+            "rollout_s": metrics["rollout_time_s"], "train_s": metrics["train_time_s"]}
+
+
+def run_trl(workdir: Path) -> dict:
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from seekforge.data.corpora import check_answer
+
+    samples = prompts_and_answers()
+    dataset = Dataset.from_dict({"prompt": [p for p, _ in samples], "answer": [a for _, a in samples]})
+
+    def exact_answer(prompts, completions, answer, **kwargs):
+        return [float(check_answer(c, a)) for c, a in zip(completions, answer, strict=True)]
+
+    tokenizer = AutoTokenizer.from_pretrained(workdir)
+    model = AutoModelForCausalLM.from_pretrained(workdir, dtype=torch.float32)
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.durations, self.start = [], None
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.durations.append(time.perf_counter() - self.start)
+
+    timer = StepTimer()
+    args = GRPOConfig(output_dir=str(workdir / "trl_run"), per_device_train_batch_size=PROMPTS * G, num_generations=G,
+                      max_completion_length=MAX_NEW, max_steps=2, shuffle_dataset=False, learning_rate=1e-6,
+                      beta=0.0, loss_type="dapo",
+                      epsilon_high=0.28, temperature=1.0, use_cpu=True, bf16=False, report_to="none",
+                      save_strategy="no", logging_steps=1, disable_tqdm=True, seed=0)
+    trainer = GRPOTrainer(model=model, reward_funcs=exact_answer, args=args, train_dataset=dataset,
+                          processing_class=tokenizer, callbacks=[timer])
+    trainer.train()
+    lengths = [m.get("completions/mean_length") for m in trainer.state.log_history if "completions/mean_length" in m]
+    tokens = (lengths[-1] if lengths else float("nan")) * PROMPTS * G
+    return {"seconds": timer.durations[-1], "completion_tokens": tokens}
+
+
+def child(which: str, workdir: Path, threads: int | None) -> None:
+    if threads:
+        torch.set_num_threads(threads)
+    result = run_trl(workdir) if which == "trl" else run_seekforge(workdir, swap=which == "seekforge")
+    result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--workdir", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        return child(args.child, Path(args.workdir), args.threads)
+    print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, fp32, preset {args.preset} (no MTP), "
+          f"{PROMPTS} prompts x G={G}, up to {MAX_NEW} new tokens, one optimizer step")
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        prepare(workdir, args.preset)
+        results = {}
+        for which in ("seekforge", "seekforge-noswap", "trl"):
+            cmd = [sys.executable, __file__, "--child", which, "--workdir", tmp]
+            if args.threads:
+                cmd += ["--threads", str(args.threads)]
+            out = subprocess.run(cmd, capture_output=True, text=True)
+            lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+            if out.returncode or not lines:
+                sys.exit(f"{which} failed:\n{out.stderr[-3000:]}")
+            results[which] = json.loads(lines[-1].removeprefix("RESULT "))
+            r = results[which]
+            extra = f" (rollout {r['rollout_s']:.1f}s, training {r['train_s']:.1f}s)" if "rollout_s" in r else ""
+            print(f"{which:>17}: {r['seconds']:.1f}s{extra}, {r['completion_tokens']:.0f} completion tokens, "
+                  f"peak RSS {r['peak_rss_mib']:.0f} MiB")
+    sf, trl = results["seekforge"], results["trl"]
+    print(f"speed-up vs TRL GRPOTrainer: {trl['seconds'] / sf['seconds']:.2f}x; memory swap saves "
+          f"{results['seekforge-noswap']['peak_rss_mib'] - sf['peak_rss_mib']:.0f} MiB of peak RSS")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""The built-in starting checkpoint: a short pretrain on the arithmetic task's worked documents, so
+that `seekforge grpo` with no arguments has a policy that answers the task's questions right only
+sometimes — the regime where GRPO has something to reinforce.
+
+It runs train/'s Trainer unchanged on a stream of the task's documents (each followed by the
+end-of-document token, as data/dataset builds the built-in corpora) and exports the weights as an HF
+checkpoint that the GRPO run (and a resumed one, for its reference model) loads.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from pathlib import Path
+
+import numpy as np
+
+from seekforge.config import TrainConfig
+from seekforge.data.corpora import ArithmeticTask
+from seekforge.data.dataset import BatchLoader
+from seekforge.rl.config import DEFAULT_BASE_MODEL, GRPOConfig
+
+
+class TaskWindows:
+    """num_windows windows of seq_len + 1 tokens cut from a stream of the task's documents."""
+
+    def __init__(self, tokenizer, levels: list[int], seq_len: int, num_windows: int, seed: int):
+        task, rng = ArithmeticTask(seed, tuple(levels)), random.Random(f"base-{seed}")
+        stream: list[int] = []
+        while len(stream) < num_windows * seq_len + 1:
+            stream += tokenizer.encode(task.document(rng)) + [tokenizer.eos_token_id]
+        tokens = np.asarray(stream[:num_windows * seq_len + 1], dtype=np.int64)
+        self.windows = [tokens[i * seq_len:(i + 1) * seq_len + 1] for i in range(num_windows)]
+
+    def __len__(self) -> int:
+        return len(self.windows)
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+        return {"input_ids": self.windows[i][:-1], "labels": self.windows[i][1:]}
+
+
+def base_train_config(cfg: GRPOConfig, tokenizer, out_dir: Path) -> TrainConfig:
+    model = {**DEFAULT_BASE_MODEL, "vocab_size": 64 * math.ceil(tokenizer.vocab_size / 64), **cfg.model}
+    return TrainConfig(preset="tiny", model=model, seq_len=128, micro_batch_size=16, steps=cfg.base_steps,
+                       lr=cfg.base_lr, min_lr=cfg.base_lr / 10, warmup=min(20, cfg.base_steps // 10), dtype="fp32",
+                       mtp_loss_scale=0.0, seed=cfg.seed, out_dir=str(out_dir), log_interval=0, eval_interval=0,
+                       save_interval=0, peak_flops=1e11, export_hf=False, sample_prompt="")
+
+
+def prepare_base(cfg: GRPOConfig, tokenizer, out_dir: Path, progress: bool = True) -> Path:
+    """Pretrain the built-in base into out_dir (once: an existing export is reused) → its HF directory.
+
+    Pretraining stops at the first check (every `base_check_interval` steps) whose held-out greedy
+    accuracy reaches `base_target_accuracy`, or after base_steps: GRPO should start from a model that
+    is right sometimes, not from one that has already learned the task."""
+    from seekforge.model.hf import save_hf
+    from seekforge.model.model import build_model
+    from seekforge.rl.trainer import held_out_accuracy
+    from seekforge.train.trainer import Trainer
+
+    hf_dir = out_dir / "hf"
+    if (hf_dir / "config.json").exists():
+        return hf_dir
+    train_cfg = base_train_config(cfg, tokenizer, out_dir)
+    model = build_model(train_cfg.model_config(), seed=cfg.seed)
+    windows = TaskWindows(tokenizer, cfg.task_levels, train_cfg.seq_len,
+                          train_cfg.steps * train_cfg.micro_batch_size, cfg.seed)
+    trainer = Trainer(train_cfg, model, BatchLoader(windows, train_cfg.micro_batch_size, cfg.seed), out_dir=out_dir)
+    while trainer.step < train_cfg.steps:
+        trainer.fit(stop_at=trainer.step + cfg.base_check_interval)
+        accuracy = held_out_accuracy(model, tokenizer, cfg)
+        if progress:
+            print(f"base model: step {trainer.step}, held-out accuracy {accuracy:.3f}", flush=True)
+        if accuracy >= cfg.base_target_accuracy:
+            break
+    save_hf(model, hf_dir)
+    return hf_dir

@@ -1,0 +1,146 @@
+"""`seekforge grpo`: GRPO post-training with co-located rollouts on seekforge's own engine.
+
+With no arguments it runs the built-in default: it pretrains its own small base model on the
+arithmetic task (a few minutes; reused when already there), then improves it with GRPO on the
+task's exact-answer reward, writing runs/grpo/{metrics.jsonl, tensorboard/, reward.png,
+checkpoints/, base/}. An existing run in --out-dir resumes from its latest checkpoint.
+
+Under torchrun (`torchrun --nproc-per-node 2 -m seekforge.cli grpo ...`) every rank holds a policy
+replica and its own engine, rolls out its balanced share of the prompts and trains its share of the
+sequences; gradients are summed over ranks, so the run equals the one-process run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import shutil
+import time
+from pathlib import Path
+
+import yaml
+
+from seekforge.rl.config import GRPOConfig, config_to_dict, load_grpo_config
+
+_FLAGS = [
+    ("--base", "base", str, "HF checkpoint directory of the starting policy ('' = built-in base)"),
+    ("--steps", "steps", int, "GRPO iterations (rollout + update)"),
+    ("--prompts-per-step", "prompts_per_step", int, "prompts per rollout batch"),
+    ("--group-size", "group_size", int, "completions per prompt (G)"),
+    ("--max-new-tokens", "max_new_tokens", int, "completion length limit"),
+    ("--loss-type", "loss_type", str, "grpo | bnpo | dapo | dr_grpo"),
+    ("--lr", "lr", float, "learning rate"),
+    ("--beta", "beta", float, "KL-to-reference coefficient (0: no reference model)"),
+    ("--seed", "seed", int, "prompts, sampling and the built-in base"),
+    ("--out-dir", "out_dir", str, "run directory"),
+]
+_DEFAULTS = GRPOConfig()
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = (
+        "GRPO post-training. Settings: GRPOConfig defaults, then --config (YAML/TOML of GRPOConfig "
+        "fields), then the flags, then --set key=value (last wins). Without --base it first pretrains "
+        "its own base model on the built-in arithmetic task.")
+    p.add_argument("--config", default=argparse.SUPPRESS, help="YAML or TOML file of GRPOConfig fields")
+    for flag, field, kind, text in _FLAGS:
+        p.add_argument(flag, dest=field, type=kind, default=argparse.SUPPRESS,
+                       help=f"{text} (default: {getattr(_DEFAULTS, field)!r})")
+    p.add_argument("--reward", dest="rewards", action="append", default=argparse.SUPPRESS, metavar="NAME",
+                   help="reward: arithmetic | format | boxed | module:function (repeat to combine; weights "
+                        "via --set reward_weights=[...]; default: arithmetic)")
+    p.add_argument("--no-resume", dest="resume", action="store_false", default=argparse.SUPPRESS,
+                   help="start fresh even if OUT_DIR holds checkpoints")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="any GRPOConfig field, e.g. --set mu=2 --set clip_high=0.28 (seekforge/rl/config.py)")
+
+
+def config_from_args(args) -> GRPOConfig:
+    from seekforge.train.config_file import parse_overrides
+
+    given = vars(args)
+    updates = {f: given[f] for f in [f[1] for f in _FLAGS] + ["rewards", "resume"] if f in given}
+    overrides = parse_overrides(given.get("overrides", []))
+    if "rewards" in updates and "reward_weights" not in overrides:  # --reward a --reward b: weight 1 each
+        updates["reward_weights"] = [1.0] * len(updates["rewards"])
+    return load_grpo_config(given.get("config"), {**updates, **overrides})
+
+
+def run(args) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    from seekforge.parallel.mesh import init_distributed
+
+    cfg = config_from_args(args)  # a bad config fails here, before anything is built
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    built_in_base = Path(cfg.out_dir) / "base" / "hf"
+    if world_size > 1 and not cfg.base and not (built_in_base / "config.json").exists():
+        raise ValueError(f"under torchrun, give --base, or prepare the built-in base once on one process "
+                         f"(`seekforge grpo --out-dir {cfg.out_dir}` writes {built_in_base})")
+    owns_process_group = world_size > 1 and not dist.is_initialized()
+    if owns_process_group:
+        init_distributed()  # one policy replica and one engine per rank (rl/trainer.py)
+    try:
+        _grpo(cfg)
+    finally:
+        if owns_process_group:
+            dist.destroy_process_group()
+
+
+def _grpo(cfg: GRPOConfig) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from seekforge.model.load import load_model
+    from seekforge.model.tokenizer import load_tokenizer
+    from seekforge.rl.base import prepare_base
+    from seekforge.rl.report import plot_reward_curve
+    from seekforge.rl.trainer import GRPOTrainer
+    from seekforge.train.checkpoint import latest_checkpoint
+    from seekforge.train.metrics import read_metrics
+
+    is_main = not dist.is_initialized() or dist.get_rank() == 0
+    say = print if is_main else (lambda *a, **k: None)
+    out_dir = Path(cfg.out_dir)
+    torch.manual_seed(cfg.seed)
+    start = time.perf_counter()
+    say(f"seekforge grpo → {out_dir}")
+    base = cfg.base
+    if not base:
+        say(f"built-in base model: {cfg.base_steps} pretraining steps on the arithmetic task (reused if present)")
+        base = str(prepare_base(cfg, load_tokenizer(cfg.tokenizer), out_dir / "base"))
+        say(f"base model ready in {time.perf_counter() - start:.0f}s: {base}")
+    device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+    policy, tokenizer = load_model(base, torch.float32, device)
+    reference = copy.deepcopy(policy) if cfg.beta > 0 else None
+    trainer = GRPOTrainer(cfg, policy, tokenizer, reference, out_dir)
+    latest = latest_checkpoint(out_dir / "checkpoints") if cfg.resume else None
+    if latest is not None:
+        trainer.resume(latest)
+        say(f"resumed from {latest} at step {trainer.step_count}")
+    elif is_main:  # a fresh start: an old run's curve and checkpoints would mix in
+        (out_dir / "metrics.jsonl").unlink(missing_ok=True)
+        shutil.rmtree(out_dir / "checkpoints", ignore_errors=True)
+    if is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "grpo_config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    if dist.is_initialized():
+        dist.barrier()  # the fresh-start cleanup is done before any rank saves
+    counts = policy.cfg.num_params()
+    say(f"policy: {counts['total'] / 1e6:.2f}M params from {base}; {cfg.prompts_per_step} prompts x "
+        f"G={cfg.group_size} per step, {cfg.steps} steps, loss {cfg.loss_type}, beta {cfg.beta}, mu {cfg.mu}; "
+        f"rewards {dict(zip(cfg.rewards, cfg.reward_weights, strict=True))}"
+        + (f"; {dist.get_world_size()} data-parallel ranks" if dist.is_initialized() else ""))
+    trainer.fit()
+    if not is_main:
+        return
+    records = read_metrics(out_dir / "metrics.jsonl")
+    accuracy = [(r["step"], r["eval_accuracy"]) for r in records if "eval_accuracy" in r]
+    png = plot_reward_curve(out_dir / "metrics.jsonl", out_dir / "reward.png")
+    if accuracy:
+        (s0, a0), (s1, a1) = accuracy[0], accuracy[-1]
+        say(f"held-out accuracy: {a0:.3f} at step {s0} → {a1:.3f} at step {s1} ({100 * (a1 - a0):+.1f} points)")
+    say(f"done in {time.perf_counter() - start:.0f}s; metrics: {out_dir / 'metrics.jsonl'}, tensorboard: "
+        f"{out_dir / 'tensorboard'}, plot: {png}")

@@ -1,0 +1,83 @@
+"""Co-located rollouts: serve's LLMEngine runs in the trainer's process on the policy module itself.
+
+The engine holds the very `Transformer` the optimizer updates, so its weights are the policy's
+tensors: no copy, no file. After each update only the prefix cache must go (its latents were
+computed with the old weights). Continuous batching runs all prompts × G completions of a step
+together, finished sequences leaving the batch, so a step costs about what its longest completion
+costs, not P·G generate calls.
+
+Memory swap (vLLM's sleep mode, the seeds' heterogeneous swap): the engine's paged KV pool is only
+needed while generating. `sleep()` frees it for the training phase, `wake_up()` allocates it again;
+`offload` moves a reference model or optimizer state off the compute device while idle (a no-op on
+CPU, where they already live in host memory).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from seekforge.config import EngineConfig
+from seekforge.serve.engine import LLMEngine
+from seekforge.serve.sequence import SamplingParams
+
+
+class Rollout:
+    def __init__(self, policy, tokenizer, engine_config: EngineConfig):
+        self.engine = LLMEngine(policy, tokenizer, engine_config)
+        self.policy = policy
+        self.tokenizer = tokenizer
+        self._pool_shapes = [(c.c_kv.shape, c.k_pe.shape) for c in self.engine.runner.caches]
+        self.asleep = False
+
+    def generate(self, prompts: list[list[int]], n: int, max_tokens: int, temperature: float,
+                 seeds: list[int] | None = None) -> list[list[int]]:
+        """Token-id prompts → their completions' token ids (a stop token, when hit, included), prompt-
+        major: prompt i's n completions at [i·n, (i+1)·n). seeds[i] seeds prompt i's completions (the
+        j-th draws from seed + j), so results depend neither on batching nor on the global RNG."""
+        if self.asleep:
+            self.wake_up()
+        training = self.policy.training
+        self.policy.eval()
+        engine = self.engine
+        ids = []
+        for i, prompt in enumerate(prompts):
+            params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature,
+                                    seed=None if seeds is None else seeds[i])
+            ids.append(engine.add(engine.make_request(prompt, params)))
+        done = {}
+        while len(done) < len(ids):
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        self.policy.train(training)
+        return [list(c.token_ids) for i in ids for c in done[i].outputs]
+
+    def weights_updated(self) -> None:
+        """The policy's tensors changed in place: drop every cached latent computed with the old ones."""
+        self.engine.reset_prefix_cache()
+
+    def sleep(self) -> None:
+        """Free the KV pool (its contents are disposable between steps: no request runs)."""
+        assert not self.engine.has_unfinished(), "sleep() with requests running"
+        self.engine.reset_prefix_cache()
+        for cache in self.engine.runner.caches:
+            cache.c_kv = cache.c_kv.new_empty(0)
+            cache.k_pe = cache.k_pe.new_empty(0)
+        self.asleep = True
+
+    def wake_up(self) -> None:
+        for cache, (c_kv_shape, k_pe_shape) in zip(self.engine.runner.caches, self._pool_shapes, strict=True):
+            cache.c_kv = cache.c_kv.new_zeros(c_kv_shape)
+            cache.k_pe = cache.k_pe.new_zeros(k_pe_shape)
+        self.asleep = False
+
+
+def offload(module_or_optimizer, device: torch.device | str) -> None:
+    """Move a module's weights or an optimizer's state tensors to `device` in place."""
+    if isinstance(module_or_optimizer, torch.nn.Module):
+        module_or_optimizer.to(device)
+        return
+    for state in module_or_optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and key != "step":  # fused AdamW keeps `step` where params are
+                state[key] = value.to(device, non_blocking=True)

@@ -1,0 +1,123 @@
+"""The GRPO loop: after an update the co-located engine serves the new weights (its greedy outputs equal
+a fresh engine's on a copy of the updated policy) with no file written; the KV pool sleeps during
+training; a resumed run continues the uninterrupted run's curves exactly; μ > 1 and β > 0 run."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+
+from seekforge.config import EngineConfig
+from seekforge.model.tokenizer import load_tokenizer
+from seekforge.rl.config import GRPOConfig
+from seekforge.rl.trainer import GRPOTrainer, encode_prompt
+from seekforge.serve.engine import LLMEngine
+from seekforge.serve.sequence import SamplingParams
+from tests.rl.conftest import tiny_model
+
+
+def digit_reward(prompt, completion, **meta):
+    """A signal an untrained model's samples differ in: the share of digits."""
+    return sum(ch.isdigit() for ch in completion) / max(len(completion), 1)
+
+
+def small_config(tmp_path, **overrides):
+    """tmp_path None: the caller gives out_dir."""
+    base = dict(rewards=[f"{__name__}:digit_reward"], steps=4, prompts_per_step=3, group_size=4, max_new_tokens=6,
+                lr=3e-3, eval_prompts=8, eval_interval=2, save_interval=2, kv_cache_memory="4MiB",
+                out_dir=str(tmp_path / "run") if tmp_path else "")
+    base.update(overrides)
+    return GRPOConfig(**base)
+
+
+def make_trainer(cfg):
+    policy = tiny_model()
+    reference = copy.deepcopy(policy) if cfg.beta > 0 else None
+    return GRPOTrainer(cfg, policy, load_tokenizer("byte"), reference)
+
+
+def greedy(engine, prompts):
+    outs = []
+    for p in prompts:
+        engine.add_request(p, SamplingParams(max_tokens=8, temperature=0.0), request_id=str(len(outs)))
+        outs.append(None)
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[int(out.request_id)] = out.outputs[0].token_ids
+    return [done[i] for i in range(len(prompts))]
+
+
+def test_engine_serves_updated_weights_without_files(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    trainer = make_trainer(small_config(tmp_path, swap=True))
+    tok = trainer.tokenizer
+    prompts = [encode_prompt(tok, p) for p, _ in trainer.prompt_stream.eval_set[:4]]
+    greedy(trainer.rollout.engine, prompts)  # fills the prefix cache with the old weights' latents
+    before = {k: v.clone() for k, v in trainer.policy.state_dict().items()}
+    trainer.rollout.sleep()
+    trainer.step()
+    assert trainer.rollout.asleep  # the KV pool was freed for the training phase
+    assert all(c.c_kv.numel() == 0 for c in trainer.rollout.engine.runner.caches)
+    assert any(not torch.equal(before[k], v) for k, v in trainer.policy.state_dict().items())
+    assert sorted(os.listdir(tmp_path)) == []  # no file written during the iteration
+    trainer.rollout.wake_up()
+    fresh = LLMEngine(copy.deepcopy(trainer.policy), tok, EngineConfig(kv_cache_memory="4MiB"))
+    assert greedy(trainer.rollout.engine, prompts) == greedy(fresh, prompts)
+
+
+def test_resume_continues_the_uninterrupted_run(tmp_path):
+    cfg = small_config(tmp_path, mu=2, beta=0.05, loss_type="grpo")
+    full = make_trainer(cfg).fit(progress=False)
+    assert all(m["kl"] >= 0 for m in full) and full[-1]["kl"] > 0
+
+    cfg2 = small_config(tmp_path, mu=2, beta=0.05, loss_type="grpo", out_dir=str(tmp_path / "split"))
+    first = make_trainer(cfg2).fit(stop_at=2, progress=False)
+    resumed = make_trainer(cfg2)  # a new process would build everything fresh, then load
+    assert resumed.resume()
+    assert resumed.step_count == 2
+    second = resumed.fit(progress=False)
+    keys = ["reward_mean", "loss", "kl", "clip_fraction", "response_length", "eval_accuracy"]
+    for a, b in zip(full, first + second, strict=True):
+        assert {k: a.get(k) for k in keys} == {k: b.get(k) for k in keys}
+
+
+def test_bad_config_fails_with_one_message():
+    for overrides, match in [(dict(group_size=1), "group_size=1"), (dict(clip_low=-0.1), "clip_low=-0.1"),
+                             (dict(rewards=["nope"]), "unknown reward 'nope'"),
+                             (dict(loss_type="ppo"), "loss_type='ppo'")]:
+        with pytest.raises(ValueError, match=match):
+            GRPOConfig(**overrides)
+
+
+def _two_rank_run(out_dir: str):
+    import torch.distributed as dist
+
+    cfg = small_config(None, out_dir=out_dir, steps=2, eval_interval=1, save_interval=0, beta=0.05)
+    trainer = make_trainer(cfg)
+    history = trainer.fit(progress=False)
+    weights = {k: v.clone() for k, v in trainer.policy.state_dict().items()}
+    return history, weights if dist.get_rank() == 0 else None
+
+
+@pytest.mark.slow  # ~17 s: two spawned ranks, two full iterations each
+def test_two_gloo_ranks_match_one_process(tmp_path):
+    """Each rank rolls out its balanced share of the prompts on its own engine; groups, rewards and
+    advantages are whole; the summed gradients reproduce the one-process run."""
+    from tests.dist.dist_launcher import launch
+
+    single = make_trainer(small_config(None, out_dir=str(tmp_path / "one"), steps=2, eval_interval=1,
+                                       save_interval=0, beta=0.05))
+    expected = single.fit(progress=False)
+    (history, weights), _ = launch(_two_rank_run, 2, str(tmp_path / "two"))
+    for a, b in zip(expected, history, strict=True):
+        for key in ("reward_mean", "reward_std", "response_length", "eval_accuracy", "zero_std_groups"):
+            assert a[key] == b[key], key
+        for key in ("loss", "kl", "clip_fraction", "entropy"):
+            assert abs(a[key] - b[key]) <= 1e-6 * max(1.0, abs(a[key])), key
+    for name, value in single.policy.state_dict().items():
+        torch.testing.assert_close(weights[name], value, rtol=0, atol=1e-5, msg=name)
