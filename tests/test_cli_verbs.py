@@ -1,6 +1,6 @@
 """Every `seekforge VERB` works on a plain install (`pip install seekforge`, no `test` extra): the
-code a verb can reach imports only the standard library, seekforge and the runtime dependencies
-declared in pyproject.toml."""
+code a verb can reach imports only the standard library, seekforge, the runtime dependencies
+declared in pyproject.toml and a feature extra's (an option that says which extra to install)."""
 
 from __future__ import annotations
 
@@ -25,10 +25,12 @@ def _name(requirement: str) -> str:
 
 
 def _declared() -> tuple[set[str], set[str]]:
-    """(runtime distributions, distributions only the test extra installs)."""
+    """(runtime and feature-extra distributions, distributions only the test extra installs)."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
     runtime = {_name(r) for r in project["dependencies"]}
-    return runtime, {_name(r) for r in project["optional-dependencies"]["test"]} - runtime
+    runtime |= {_name(r) for extra, reqs in extras.items() if extra != "test" for r in reqs}
+    return runtime, {_name(r) for r in extras["test"]} - runtime
 
 
 @functools.cache

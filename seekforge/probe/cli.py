@@ -93,8 +93,10 @@ def load(model: str, impl: str):
     import torch
 
     if impl == "transformers":
-        import transformers  # a test-only dependency: the reference implementation
-
+        try:
+            import transformers  # the reference implementation: the optional `reference` extra
+        except ModuleNotFoundError as e:
+            raise ValueError("--impl transformers needs transformers: pip install 'seekforge[reference]'") from e
         if not Path(model).is_dir():
             raise ValueError(f"--impl transformers needs a checkpoint directory, got {model!r}")
         return transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32,
