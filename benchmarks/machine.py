@@ -25,7 +25,9 @@ def machine_header(dtype_name: str = "auto", probe_peak: bool = True) -> tuple[t
     print(f"machine: {platform.machine()}, CPU capability {torch.backends.cpu.get_cpu_capability()} "
           f"(native bf16 matmul: {'yes' if cpu_has_native_bf16() else 'no'}), {torch.get_num_threads()} torch "
           f"threads, torch {torch.__version__}")
-    peak = measure_peak_flops(dtype, seconds=1.0) if probe_peak else float("nan")
-    name = str(dtype).removeprefix("torch.")
-    print(f"dtype: {why}; measured {name} matmul peak (1024³): {peak / 1e9:.0f} GFLOP/s")
+    if not probe_peak:
+        print(f"dtype: {why}")
+        return dtype, float("nan")
+    peak = measure_peak_flops(dtype, seconds=1.0)
+    print(f"dtype: {why}; measured {str(dtype).removeprefix('torch.')} matmul peak (1024³): {peak / 1e9:.0f} GFLOP/s")
     return dtype, peak
