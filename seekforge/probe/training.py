@@ -44,12 +44,18 @@ class TrainingProbe:
         """From a probe config file, or the always-on defaults when `path` is empty."""
         return cls(load_probe_config(path) if path else ProbeConfig(), modules, optimizers, out_dir)
 
-    def begin_step(self, step: int) -> None:
+    def begin_step(self, step: int, record: bool = True) -> None:
+        """record=False: the module hooks (dump, monitor) wait for `start_recording` — GRPO first runs
+        its rollouts through the same module, which is not the training pass they watch."""
         self.tracer.begin_step(step)
+        if record:
+            self.start_recording(step)
+        self.timer.begin()
+
+    def start_recording(self, step: int) -> None:
         self._dumping = [d for d in self.dumpers if d.start(step)]
         if self.monitor:
             self.monitor.begin_step(step)
-        self.timer.begin()
 
     def mark(self, phase: str) -> None:
         self.timer.mark(phase)

@@ -58,6 +58,7 @@ class GRPOConfig:
     out_dir: str = "runs/grpo"
     save_interval: int = 20  # 0: save only at the end
     keep_checkpoints: int = 2
+    probe: str = ""  # probe config YAML (monitor, dumps, metrics port; seekforge/probe/config.py); "": timing only
     resume: bool = True
     # preparing the built-in base (when `base` is empty)
     model: dict[str, Any] = field(default_factory=dict)  # ModelConfig overrides of DEFAULT_BASE_MODEL

@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from seekforge.config import EngineConfig, TrainConfig
 from seekforge.data.corpora import ArithmeticTask, check_answer
+from seekforge.probe.training import TrainingProbe
 from seekforge.rl.algorithm import BatchTotals, group_advantages
 from seekforge.rl.balance import balance_groups
 from seekforge.rl.config import GRPOConfig
@@ -104,6 +105,9 @@ class GRPOTrainer:
             max_num_seqs=max(cfg.prompts_per_step * cfg.group_size, 1), max_num_batched_tokens=4096))
         self.moe_layers = policy.moe_layers()
         self.step_count = 0
+        # Phase timings (Prometheus), on-demand traces, and from cfg.probe the monitor and dumps, as in
+        # pretraining; phases here: rollout, rewards, backward, optimizer.
+        self.probe = TrainingProbe.open(cfg.probe, [policy], [self.optimizer], self.out_dir)
         if reference is not None:
             reference.requires_grad_(False).eval()
             self._park(reference)
@@ -144,12 +148,15 @@ class GRPOTrainer:
         # Rollout: this rank's prompts; before generating, a prompt's expected work is its prompt
         # tokens plus the completion budget.
         mine = self._my_groups([G * (len(p) + cfg.max_new_tokens) for p in prompt_ids])
+        self.probe.begin_step(step + 1, record=False)  # the dump and monitor watch training, not rollouts
         start = time.perf_counter()
         local = self.rollout.generate([prompt_ids[i] for i in mine], G, cfg.max_new_tokens, cfg.temperature,
                                       [seeds[i] for i in mine])
         rollout_time = time.perf_counter() - start
         if cfg.swap:
             self.rollout.sleep()
+        self.probe.mark("rollout")
+        self.probe.start_recording(step + 1)
 
         start = time.perf_counter()
         texts = [tok.decode(c) for c in local]
@@ -176,13 +183,18 @@ class GRPOTrainer:
         totals = BatchTotals(len(completions), sum(lengths), cfg.max_new_tokens)
         self._unpark(self.optimizer)
         self.policy.train()
-        for _ in range(cfg.mu):
+        self.probe.mark("rewards")  # rewards, advantages, packing, old and reference log-probs
+        for update in range(cfg.mu):
             sums = accumulate_gradients(self.policy, rows, batch, totals, self.loss_settings)
             _sum_gradients_over_ranks(self.policy)
             grad_norm = clip_grad_norm(list(self.policy.parameters()), cfg.clip_grad or math.inf)
+            self.probe.mark("backward")
+            if update == cfg.mu - 1:  # the monitor records the iteration's last optimizer step
+                self.probe.before_optimizer(step + 1, grad_norm)
             self.optimizer.step()
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
+            self.probe.mark("optimizer")
         for moe in self.moe_layers:  # the routing bias stays as pretrained; the counts are not used
             moe.tokens_per_expert.zero_()
         self._park(self.optimizer)
@@ -203,6 +215,7 @@ class GRPOTrainer:
             rollout_time_s=rollout_time, train_time_s=train_time, packed_rows=len(rows))
         if cfg.beta > 0:
             metrics["kl"] = sums["kl"]
+        self.probe.end_step(self.step_count, metrics)
         return metrics
 
     def _my_groups(self, group_work: list[int]) -> list[int]:
@@ -257,6 +270,7 @@ class GRPOTrainer:
         if history:
             self.save()
         logger.close()
+        self.probe.close(self.step_count)
         return history
 
 

@@ -5,6 +5,7 @@ training; a resumed run continues the uninterrupted run's curves exactly; μ > 1
 from __future__ import annotations
 
 import copy
+import json
 import os
 
 import pytest
@@ -22,6 +23,11 @@ from tests.rl.conftest import tiny_model
 def digit_reward(prompt, completion, **meta):
     """A signal an untrained model's samples differ in: the share of digits."""
     return sum(ch.isdigit() for ch in completion) / max(len(completion), 1)
+
+
+def varied_reward(prompt, completion, **meta):
+    """Differs between almost any two completions, so every group has a gradient."""
+    return sum(map(ord, completion)) % 7 / 7
 
 
 def small_config(tmp_path, **overrides):
@@ -121,3 +127,21 @@ def test_two_gloo_ranks_match_one_process(tmp_path):
             assert abs(a[key] - b[key]) <= 1e-6 * max(1.0, abs(a[key])), key
     for name, value in single.policy.state_dict().items():
         torch.testing.assert_close(weights[name], value, rtol=0, atol=1e-5, msg=name)
+
+
+def test_probe_monitors_the_training_pass_and_times_each_phase(tmp_path):
+    """The probe (seekforge/probe) in the GRPO loop: the monitor records every step's training pass
+    (norms, gradients, updates), and the phase timer sees every phase."""
+    probe = tmp_path / "probe.yaml"
+    probe.write_text("monitor: {modules: ['re:layers\\.\\d+'], interval: 1}\n")
+    trainer = make_trainer(small_config(tmp_path, steps=2, eval_prompts=0, probe=str(probe),
+                                        rewards=[f"{__name__}:varied_reward"]))
+    trainer.fit(progress=False)
+    rows = [json.loads(line) for line in (tmp_path / "run/probe/monitor_rank0.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        entry = row["modules"]["layers.1"]
+        assert entry["activation_norm"] > 0 and entry["output_grad_norm"] > 0
+        assert entry["weight_grad_norm"] > 0 and entry["update_ratio"] > 0
+    phases = {s.labels["phase"] for m in trainer.probe.registry.collect() for s in m.samples if "phase" in s.labels}
+    assert {"rollout", "rewards", "backward", "optimizer"} <= phases
