@@ -20,6 +20,8 @@ gradients are in flight. tests/dist/test_ep_dropless.py checks this ordering.
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -92,7 +94,11 @@ class AllToAllDispatcher:
     def __init__(self, group, num_experts: int):
         self.group = group
         self.ep = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
         self.num_local_experts = num_experts // self.ep
+        # Since the last reset (probe/monitor.py reads and resets them per step): bytes this rank sent
+        # to other ranks in forward (dispatch and combine), and seconds forward spent waiting on them.
+        self.sent_bytes, self.wait_seconds = 0, 0.0
 
     def dispatch(self, x: torch.Tensor, indices: torch.Tensor, num_experts: int):
         """x (N, H), indices (N, K) → in-flight received copies (R, H), tokens per local expert (L,),
@@ -107,6 +113,7 @@ class AllToAllDispatcher:
         input_splits = num_tokens_per_expert.view(ep, num_local).sum(1).tolist()
         output_splits = recv_counts.sum(1).tolist()
         flight = _InFlight(self.group, input_splits, output_splits)
+        self._count(input_splits, x)
         received = _Start.apply(x[order // indices.shape[1]], flight)  # (R, H), filling asynchronously
         # Received rows come grouped by (source rank, local expert); the grouped GEMM wants expert-major.
         segment = torch.arange(ep * num_local, device=x.device).repeat_interleave(recv_counts.reshape(-1))
@@ -115,14 +122,24 @@ class AllToAllDispatcher:
 
     def wait(self, received: torch.Tensor, state) -> torch.Tensor:
         _, flight, expert_major = state
-        return _Wait.apply(received, flight)[expert_major]
+        start = time.perf_counter()
+        received = _Wait.apply(received, flight)
+        self.wait_seconds += time.perf_counter() - start
+        return received[expert_major]
+
+    def _count(self, splits: list[int], rows: torch.Tensor) -> None:
+        """Rows sent to other ranks (a rank's own split never leaves it), in bytes."""
+        self.sent_bytes += (sum(splits) - splits[self.rank]) * rows.shape[-1] * rows.element_size()
 
     def combine(self, y: torch.Tensor, state, weights: torch.Tensor) -> torch.Tensor:
         """y (R, H) expert-major, weights (N, K) → (N, H)."""
         order, flight, expert_major = state
         y = torch.empty_like(y).index_copy(0, expert_major, y)  # back to (source rank, expert) order
         back = _InFlight(self.group, flight.output_splits, flight.input_splits)
+        self._count(flight.output_splits, y)
+        start = time.perf_counter()
         y = all_to_all(y, back)  # (S, H) in this rank's sorted order
+        self.wait_seconds += time.perf_counter() - start
         n, k = weights.shape
         unsorted = torch.empty_like(y).index_copy(0, order, y).view(n, k, -1)  # (N, K, H)
         return weighted_sum(unsorted, weights)  # the same sum as LocalDispatcher.combine

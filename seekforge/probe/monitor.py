@@ -1,7 +1,9 @@
 """Training-state monitor: per step and per chosen module, the activation and output-gradient norms
 (from statistics-mode dump hooks), weight-gradient norms, Adam moment norms, the update/weight ratio,
-and each MoE layer's expert loads; anomaly rules that raise alerts and write that step's module
-statistics as a dump (readable by `seekforge probe compare/report`).
+each MoE layer's expert loads and, under expert parallelism, its all-to-all traffic (bytes sent to
+other ranks, seconds forward waited on the exchange; parallel/ep.py counts them); anomaly rules that
+raise alerts and write that step's module statistics as a dump (readable by `seekforge probe
+compare/report`).
 
 Per step (the trainer calls these, see probe/training.py):
     begin_step(step)            arm the hooks
@@ -68,6 +70,9 @@ class Monitor:
         # Hooks every step when an anomaly may need this step's statistics, else on recorded steps only.
         if self.cfg.dump_on_anomaly or self._recording(step):
             self.dumper.start(step)
+        for _, moe in self.moe:  # an expert-parallel dispatcher counts its all-to-all traffic per step
+            if hasattr(moe.dispatcher, "sent_bytes"):
+                moe.dispatcher.sent_bytes, moe.dispatcher.wait_seconds = 0, 0.0
 
     @torch.no_grad()
     def before_optimizer(self, step: int, grad_norm: torch.Tensor) -> None:
@@ -78,6 +83,8 @@ class Monitor:
             state["weights_before"] = {name: [local(p).detach().clone() for p in m.parameters()]
                                        for name, m in self.watched}
             state["expert_load"] = {name: m.tokens_per_expert.tolist() for name, m in self.moe}
+            state["all_to_all"] = {name: {"sent_bytes": m.dispatcher.sent_bytes, "wait_s": m.dispatcher.wait_seconds}
+                                   for name, m in self.moe if hasattr(m.dispatcher, "sent_bytes")}
         self._step_state = state
 
     @torch.no_grad()
@@ -141,7 +148,7 @@ class Monitor:
                 update = norm_of(torch._foreach_sub([local(p).detach() for p in params], before))
                 entry["update_ratio"] = update / max(norm_of(before), 1e-12)
         row = {"step": step, "loss": loss, "grad_norm": grad_norm, "modules": modules,
-               "expert_load": state.get("expert_load", {})}
+               "expert_load": state.get("expert_load", {}), "all_to_all": state.get("all_to_all", {})}
         self._records.write(json.dumps(row) + "\n")
         self._records.flush()
         if self._tb is not None:

@@ -56,7 +56,8 @@ def run_rank():
     gate_grad = moe.gate.weight.grad.clone()
     dist.all_reduce(gate_grad)  # the reference sees both ranks' tokens
     received = moe.experts.gate_up_proj.grad.to_local().shape  # this rank's experts' grads exist
-    return dict(out=out.detach(), x_grad=x.grad, gate_grad=gate_grad,
+    traffic = moe.dispatcher.sent_bytes, moe.dispatcher.wait_seconds  # forward only: read after backward too
+    return dict(out=out.detach(), x_grad=x.grad, gate_grad=gate_grad, sent_bytes=traffic[0], wait_s=traffic[1],
                 gate_up_grad=moe.experts.gate_up_proj.grad.full_tensor(),
                 down_grad=moe.experts.down_proj.grad.full_tensor(),
                 tokens_per_expert=moe.tokens_per_expert.clone(), local_shape=received,
@@ -86,6 +87,16 @@ def test_ep_dropless_skewed_router_matches_single_device():
     torch.testing.assert_close(results[0]["gate_up_grad"], moe.experts.gate_up_proj.grad, **close)
     torch.testing.assert_close(results[0]["down_grad"], moe.experts.down_proj.grad, **close)
     assert results[0]["local_shape"][0] == cfg.n_routed_experts // WORLD
+
+    # All-to-all traffic (read by probe/monitor.py): rank r sends in dispatch the copies it routed to the
+    # other rank's experts, and in combine the outputs of the copies it received from the other rank.
+    per_rank = [r["tokens_per_expert"] for r in results]
+    owned = [slice(0, half), slice(half, None)]
+    for r, result in enumerate(results):
+        other = 1 - r
+        rows = int(per_rank[r][owned[other]].sum() + per_rank[other][owned[r]].sum())
+        assert result["sent_bytes"] == rows * cfg.hidden_size * 4, (r, result["sent_bytes"], rows)
+        assert result["wait_s"] > 0
 
     for r in results:
         # forward: dispatch starts, shared experts run, dispatch waits; then the combine exchange.
