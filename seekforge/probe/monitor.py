@@ -70,9 +70,6 @@ class Monitor:
         # Hooks every step when an anomaly may need this step's statistics, else on recorded steps only.
         if self.cfg.dump_on_anomaly or self._recording(step):
             self.dumper.start(step)
-        for _, moe in self.moe:  # an expert-parallel dispatcher counts its all-to-all traffic per step
-            if hasattr(moe.dispatcher, "sent_bytes"):
-                moe.dispatcher.sent_bytes, moe.dispatcher.wait_seconds = 0, 0.0
 
     @torch.no_grad()
     def before_optimizer(self, step: int, grad_norm: torch.Tensor) -> None:

@@ -49,6 +49,10 @@ class StepTimer:
         self._totals[phase] = self._totals.get(phase, 0.0) + now - self._last
         self._last = now
 
+    def add(self, phase: str, seconds: float) -> None:
+        """Time measured elsewhere (e.g. communication waits inside forward), reported as its own phase."""
+        self._totals[phase] = self._totals.get(phase, 0.0) + seconds
+
     def end(self) -> dict[str, float]:
         for phase, seconds in self._totals.items():
             self.phases.labels(phase=phase).observe(seconds)

@@ -3,6 +3,9 @@
     begin_step(step) · mark("data") · mark("forward") · mark("backward") (per micro-batch)
     · before_optimizer(grad_norm) · mark("optimizer") · end_step(step, metrics)
 
+Under expert parallelism the step's all-to-all waits (counted by parallel/ep.py's dispatcher) are
+reported as the phase "communication_wait" too; they are part of the forward time, shown apart.
+
 Always on: the phase timer and the on-demand tracer (SIGUSR2 or the trigger file
 OUT/probe/trace_request). From a probe config file (TrainConfig.probe, `--probe FILE`): a dump of
 chosen steps (`dump`), the monitor (`monitor`), and a metrics port (`trace.port`).
@@ -38,6 +41,8 @@ class TrainingProbe:
             raise ValueError("probe monitor watches one model; with pipeline stages (pp > 1) remove the `monitor` "
                              "table from the probe config")
         self.monitor = Monitor(modules[0], optimizers[0], cfg.monitor, self.dir, self.rank) if cfg.monitor else None
+        self.dispatchers = [m.dispatcher for module in modules for m in module.modules()
+                            if hasattr(getattr(m, "dispatcher", None), "wait_seconds")]  # expert-parallel MoE
 
     @classmethod
     def open(cls, path: str, modules: list, optimizers: list, out_dir: str | Path) -> TrainingProbe:
@@ -48,6 +53,8 @@ class TrainingProbe:
         """record=False: the module hooks (dump, monitor) wait for `start_recording` — GRPO first runs
         its rollouts through the same module, which is not the training pass they watch."""
         self.tracer.begin_step(step)
+        for dispatcher in self.dispatchers:  # its all-to-all counters cover one step
+            dispatcher.sent_bytes, dispatcher.wait_seconds = 0, 0.0
         if record:
             self.start_recording(step)
         self.timer.begin()
@@ -65,6 +72,8 @@ class TrainingProbe:
             self.monitor.before_optimizer(step, grad_norm)
 
     def end_step(self, step: int, metrics: dict) -> None:
+        if self.dispatchers:
+            self.timer.add("communication_wait", sum(d.wait_seconds for d in self.dispatchers))
         self.timer.end()
         for dumper in self._dumping:
             records, tensors = dumper.stop()

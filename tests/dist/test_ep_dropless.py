@@ -104,3 +104,29 @@ def test_ep_dropless_skewed_router_matches_single_device():
         # backward: combine's gradient exchange; then dispatch's starts, shared experts' backward runs
         # while it is in flight, and it finishes.
         assert r["backward_events"] == ["start", "wait", "start", "shared", "wait"], r["backward_events"]
+
+
+def run_rank_probe(tmp):
+    """The probe's step timer reports the EP dispatcher's waits as the phase communication_wait."""
+    from seekforge.probe.config import ProbeConfig
+    from seekforge.probe.training import TrainingProbe
+
+    cfg = model_config()
+    moe = skewed_moe(cfg)
+    apply_ep(moe, init_device_mesh("cpu", (WORLD,), mesh_dim_names=("ep",))["ep"])
+    probe = TrainingProbe(ProbeConfig(), [moe], [torch.optim.SGD(moe.parameters(), lr=0.1)], tmp)
+    x_all, _ = inputs(cfg)
+    rows = slice(dist.get_rank() * TOKENS_PER_RANK, (dist.get_rank() + 1) * TOKENS_PER_RANK)
+    probe.begin_step(1)
+    moe(x_all[rows]).sum().backward()
+    probe.mark("forward")
+    waited = moe.dispatcher.wait_seconds
+    probe.end_step(1, {})
+    phases = {s.labels["phase"]: s.value for m in probe.registry.collect() for s in m.samples
+              if s.name.endswith("_sum") and "phase" in s.labels}
+    return waited, phases
+
+
+def test_probe_reports_all_to_all_wait_as_a_phase(tmp_path):
+    for waited, phases in launch(run_rank_probe, WORLD, str(tmp_path)):
+        assert waited > 0 and phases["communication_wait"] == waited and "forward" in phases
