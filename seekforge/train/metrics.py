@@ -52,24 +52,31 @@ def read_metrics(jsonl_path: str | Path) -> list[dict]:
 
 def plot_loss_curve(jsonl_path: str | Path, png_path: str | Path, baseline: float | None = None) -> Path:
     """Training loss (and eval loss when logged) vs step; `baseline` draws the unigram entropy."""
+    records = read_metrics(jsonl_path)
+    key = "lm_loss" if any("lm_loss" in r for r in records) else "loss"  # pipeline runs log the total only
+    series = [(key, f"train {key.replace('_', ' ')}", "-"), ("eval_loss", "eval lm loss", "o-")]
+    hline = (baseline, f"unigram entropy {baseline:.2f}") if baseline is not None and math.isfinite(baseline) else None
+    return plot_metrics(records, png_path, series, "optimizer step", "cross-entropy (nats/token)", hline)
+
+
+def plot_metrics(records: list[dict], png_path: str | Path, series: list[tuple[str, str, str]], xlabel: str,
+                 ylabel: str, hline: tuple[float, str] | None = None) -> Path:
+    """One line per (metric key, label, matplotlib format) over the records that hold the key; `hline`:
+    a (value, label) reference line."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display on training machines
     import matplotlib.pyplot as plt
 
-    records = read_metrics(jsonl_path)
     fig, ax = plt.subplots(figsize=(7, 4))
-    key = "lm_loss" if any("lm_loss" in r for r in records) else "loss"  # pipeline runs log the total only
-    train = [(r["step"], r[key]) for r in records if key in r]
-    if train:
-        ax.plot(*zip(*train, strict=True), label=f"train {key.replace('_', ' ')}", linewidth=1)
-    evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
-    if evals:
-        ax.plot(*zip(*evals, strict=True), "o-", label="eval lm loss")
-    if baseline is not None and math.isfinite(baseline):
-        ax.axhline(baseline, color="gray", linestyle="--", label=f"unigram entropy {baseline:.2f}")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("cross-entropy (nats/token)")
+    for key, label, fmt in series:
+        points = [(r["step"], r[key]) for r in records if key in r]
+        if points:
+            ax.plot(*zip(*points, strict=True), fmt, label=label, linewidth=1 if fmt == "-" else None)
+    if hline is not None:
+        ax.axhline(hline[0], color="gray", linestyle="--", label=hline[1])
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
