@@ -9,6 +9,7 @@ import torch
 
 from seekforge.config import ModelConfig
 from seekforge.model.model import build_model
+from tests.model.test_hf import randomize_  # the same weights in seekforge and transformers
 
 SIZES = dict(vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3,
              num_attention_heads=2, num_key_value_heads=2, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
@@ -18,22 +19,6 @@ SIZES = dict(vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermedi
              rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "mscale": 0.9,
                            "mscale_all_dim": 0.7, "beta_fast": 32, "beta_slow": 1})
 SEQ_LEN = 32
-
-
-def randomize_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
-    """Unit-scale weights, norms near 1, a routing bias that matters; parameter names are the same
-    in seekforge and transformers, so both get identical values."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.5 * torch.rand(b.shape, generator=gen))
-    return model
 
 
 @pytest.fixture
