@@ -84,7 +84,7 @@ def run(args):
     text = args.prompt
     if args.chat:
         text = tok.apply_chat_template([{"role": "user", "content": text}])
-    prompt_ids = tok.encode(text, add_bos=tok.bos_token_id is not None)
+    prompt_ids = tok.encode(text, add_bos=tok.add_bos_token)  # a BOS only if training put one there
     start = time.perf_counter()
     stop = (tok.eos_token_id,) if tok.eos_token_id is not None else ()
     new = generate(model, prompt_ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p,

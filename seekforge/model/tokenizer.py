@@ -2,7 +2,8 @@
 tokenizer for the built-in corpora (no files, no download).
 
 Both expose: encode(text, add_bos=False) → list[int], decode(ids) → str, vocab_size, bos_token_id,
-eos_token_id, apply_chat_template(messages, add_generation_prompt=True) → str, and save(directory),
+eos_token_id, add_bos_token (whether a prompt should start with BOS),
+apply_chat_template(messages, add_generation_prompt=True) → str, and save(directory),
 which writes a `tokenizer.json` + `tokenizer_config.json` that `transformers.AutoTokenizer` loads and
 that encodes exactly as the tokenizer itself does.
 """
@@ -30,6 +31,7 @@ class ByteTokenizer:
     def __init__(self):
         self.bos_token_id, self.eos_token_id, self.pad_token_id = 256, 257, 258
         self.vocab_size = 259
+        self.add_bos_token = False  # the built-in corpora train without one, so prompts get none either
         self.chat_template = self.CHAT_TEMPLATE
         self.bos_token, self.eos_token = self.SPECIALS[0], self.SPECIALS[1]
 
@@ -99,6 +101,9 @@ class HFTokenizer:
         self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
         self.pad_token_id = self.eos_token_id
+        # Whether text (a prompt) starts with BOS: as the tokenizer's config says, like transformers;
+        # seekforge's own data pipeline encodes without one.
+        self.add_bos_token = bool(config.get("add_bos_token", False))
         self.chat_template = config.get("chat_template") or ByteTokenizer.CHAT_TEMPLATE
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
 

@@ -56,12 +56,13 @@ class RequestOutput:
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-    """A conversation through the tokenizer's chat template, as token ids. BOS is added unless the
-    template already wrote it (HF templates usually start with `{{ bos_token }}`): never twice."""
+    """A conversation through the tokenizer's chat template, as token ids. BOS is added where the
+    tokenizer adds one to prompts (`add_bos_token`) and the template did not already write it (HF
+    templates usually start with `{{ bos_token }}`): never twice."""
     text = tokenizer.apply_chat_template(messages, add_generation_prompt)
     bos_token = getattr(tokenizer, "bos_token", None)
     has_bos = bool(bos_token) and text.startswith(bos_token)
-    return tokenizer.encode(text, add_bos=tokenizer.bos_token_id is not None and not has_bos)
+    return tokenizer.encode(text, add_bos=getattr(tokenizer, "add_bos_token", False) and not has_bos)
 
 
 @dataclass
@@ -102,9 +103,8 @@ class LLMEngine:
                      request_id: str | None = None, cache_salt: str | None = None) -> Request:
         """Validate and tokenize, touching no engine state (safe from any thread)."""
         params = params or SamplingParams()
-        if isinstance(prompt, str):
-            bos = self.tokenizer.bos_token_id
-            prompt_ids = self.tokenizer.encode(prompt, add_bos=bos is not None)
+        if isinstance(prompt, str):  # a BOS only if training put one there (the tokenizer's add_bos_token)
+            prompt_ids = self.tokenizer.encode(prompt, add_bos=getattr(self.tokenizer, "add_bos_token", False))
         else:
             prompt_ids = [int(t) for t in prompt]
         vocab = self.model.cfg.vocab_size

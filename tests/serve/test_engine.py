@@ -66,7 +66,7 @@ def llm(tiny_model, byte_tokenizer):
 
 def test_prompts_as_text_or_ids(llm):
     by_text = llm.generate("hello", GREEDY)[0]
-    by_ids = llm.generate([[256, *b"hello"]], GREEDY)[0]  # bos + bytes
+    by_ids = llm.generate([[*b"hello"]], GREEDY)[0]  # bytes; no BOS, as the byte tokenizer trains
     assert by_text.prompt_token_ids == by_ids.prompt_token_ids
     assert by_text.outputs[0].token_ids == by_ids.outputs[0].token_ids
 
@@ -200,3 +200,18 @@ def test_chat_adds_bos_once_when_the_template_writes_it(tiny_model, tmp_path):
     llm = LLM(tiny_model, HFTokenizer(tmp_path), block_size=8, num_kv_blocks=16)
     out = llm.chat([{"role": "user", "content": "hello"}], SamplingParams(temperature=0, max_tokens=1))[0]
     assert out.prompt_token_ids == [0, 2]  # <s> hello
+
+
+def test_prompt_starts_with_bos_only_where_the_tokenizer_says_so(tiny_model, tmp_path):
+    """A BOS the model never saw in training hurts its text: string prompts get one only when the
+    tokenizer's config says `add_bos_token` (the byte tokenizer's models train without one)."""
+    import json
+
+    from seekforge.model.tokenizer import ByteTokenizer, load_tokenizer
+
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    assert LLM(tiny_model, ByteTokenizer()).generate("hi", one)[0].prompt_token_ids == [104, 105]
+    ByteTokenizer().save(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "add_bos_token": True}))
+    assert LLM(tiny_model, load_tokenizer(tmp_path)).generate("hi", one)[0].prompt_token_ids == [256, 104, 105]

@@ -45,8 +45,9 @@ def test_completion_greedy_matches_engine(client, offline):
     assert r.choices[0].text == ref.text and r.choices[0].finish_reason == "length"
     # the same tokens: each chosen token's logprob equals the engine's
     assert r.choices[0].logprobs.token_logprobs == pytest.approx([e["logprob"] for e in ref.logprobs], abs=1e-5)
-    assert r.usage.completion_tokens == 6 and r.usage.prompt_tokens == 6  # bos + 5 bytes
-    assert r.usage.prompt_tokens_details.cached_tokens == 0  # 6 tokens fill no block of 8: nothing to reuse
+    # 5 bytes, no BOS: the byte tokenizer's models train without one (add_bos_token False)
+    assert r.usage.completion_tokens == 6 and r.usage.prompt_tokens == 5
+    assert r.usage.prompt_tokens_details.cached_tokens == 0  # 5 tokens fill no block of 8: nothing to reuse
 
 
 def test_prefix_cache_reported_as_cached_tokens(client):
@@ -87,7 +88,7 @@ def test_multiple_prompts(client, offline):
     ref = offline.generate(["a", "bb"], greedy(2))
     assert [(c.index, c.text) for c in sorted(r.choices, key=lambda c: c.index)] == \
         [(0, ref[0].outputs[0].text), (1, ref[1].outputs[0].text)]
-    assert r.usage.prompt_tokens == 2 + 3 and r.usage.completion_tokens == 4
+    assert r.usage.prompt_tokens == 1 + 2 and r.usage.completion_tokens == 4  # bytes, no BOS
 
 
 def test_streaming_with_usage(client):
@@ -120,9 +121,9 @@ def test_continuous_usage_stats(client):
         stream_options={"include_usage": True, "continuous_usage_stats": True}))
     content = [c for c in chunks if c.choices]
     assert [c.usage.completion_tokens for c in content] == [1, 2, 3, 4, 5]  # one chunk per token
-    assert all(c.usage.prompt_tokens == 6 and c.usage.total_tokens == 6 + c.usage.completion_tokens
+    assert all(c.usage.prompt_tokens == 5 and c.usage.total_tokens == 5 + c.usage.completion_tokens
                for c in content)
-    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == 11
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == 10
     chunks = list(client.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "hi"}], n=2, max_tokens=3, temperature=0, stream=True,
         extra_body={"ignore_eos": True}, stream_options={"include_usage": True, "continuous_usage_stats": True}))
@@ -224,7 +225,7 @@ def test_metrics(client, live_server):
         key = (name, tuple(sorted(labels.items())))
         return after[key] - before.get(key, 0.0)
 
-    assert grew("seekforge_prompt_tokens_total") == 2 and grew("seekforge_generation_tokens_total") == 3
+    assert grew("seekforge_prompt_tokens_total") == 1 and grew("seekforge_generation_tokens_total") == 3
     assert grew("seekforge_requests_total", finish_reason="length") == 1
     assert grew("seekforge_time_to_first_token_seconds_count") == 1
     assert grew("seekforge_time_per_output_token_seconds_count") == 1
