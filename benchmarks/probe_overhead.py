@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import torch
+from train_step import RepeatLoader  # benchmarks/train_step.py: the same batch forever
 
 from seekforge.config import TrainConfig
 from seekforge.model.model import build_model
@@ -41,25 +42,6 @@ VARIANTS = {
     "dump:statistics": "dump: {mode: statistics, out_dir: dump}\n",
     "dump:tensor": "dump: {mode: tensor, modules: ['re:layers\\.\\d+'], slots: [output], out_dir: dump}\n",
 }
-
-
-class RepeatLoader:
-    """The same batch forever (state methods so the Trainer accepts it)."""
-
-    def __init__(self, batch):
-        self.batch = batch
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        return self.batch
-
-    def state_dict(self):
-        return {}
-
-    def load_state_dict(self, state):
-        pass
 
 
 def make_trainer(probe_yaml: str | None, out_dir: Path, dtype: str) -> Trainer:
