@@ -30,7 +30,8 @@ from seekforge.serve.detokenizer import IncrementalDetokenizer
 from seekforge.serve.runner import Runner, num_kv_blocks
 from seekforge.serve.sampling import sample
 from seekforge.serve.scheduler import Scheduler
-from seekforge.serve.sequence import SamplingParams, Sequence
+from seekforge.serve.sequence import SamplingParams, Sequence, SequenceUpdate
+from seekforge.serve.spec_decode import SpecDecoder
 
 log = logging.getLogger("seekforge.serve")
 
@@ -87,6 +88,8 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
         self.runner = Runner(model, config, num_blocks)
+        self.spec = SpecDecoder(self.runner, self.block_manager, config.speculative_tokens, self.max_model_len) \
+            if config.speculative_tokens else None
         self.capacity = num_blocks * config.block_size
         self.eos_token_id = tokenizer.eos_token_id
         self.requests: dict[str, Request] = {}
@@ -120,9 +123,10 @@ class LLMEngine:
         if n + max_tokens > limit:
             raise ValueError(f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds the "
                              f"context length {limit}; lower max_tokens to at most {limit - n}")
-        if n + max_tokens > self.capacity:
-            raise ValueError(f"the request needs {n + max_tokens} tokens of KV cache but it holds {self.capacity}; "
-                             "lower max_tokens or raise --kv-cache-memory")
+        if n + max_tokens + self.config.speculative_tokens > self.capacity:
+            raise ValueError(f"the request needs {n + max_tokens} tokens of KV cache (+ "
+                             f"{self.config.speculative_tokens} draft slots) but it holds {self.capacity}; lower "
+                             "max_tokens or raise --kv-cache-memory")
         if not self.config.enable_chunked_prefill and n + max_tokens > self.config.max_num_batched_tokens:
             raise ValueError(f"without chunked prefill a sequence of up to {n + max_tokens} tokens must fit one "
                              f"step (max_num_batched_tokens={self.config.max_num_batched_tokens}); enable "
@@ -169,26 +173,14 @@ class LLMEngine:
         if not batch.seqs:
             assert not self.scheduler.running, "scheduled nothing while sequences run"
             return []
-        logits, sample_seqs = self.runner.run(batch)
-        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            seq.num_computed_tokens += n
-            self.block_manager.cache_full_blocks(seq)
-        token_ids, infos = sample(logits, sample_seqs) if sample_seqs else ([], [])
+        updates = self.spec.verify(batch) if self.spec else self._plain_step(batch)
         now = time.monotonic()
         touched: dict[str, Request] = {}
-        for seq, token_id, info in zip(sample_seqs, token_ids, infos, strict=True):
-            seq.token_ids.append(token_id)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            if info is not None:
-                seq.logprobs.append(info)
-            request = self.requests[seq.request_id]
-            detokenizer = request.detokenizers[seq.index]
-            reason = self._stop_reason(seq, token_id, detokenizer)
-            if reason is not None:
-                seq.finish_time = now
-                self._finish(seq, detokenizer, reason)
-            touched[seq.request_id] = request
+        for update in updates:
+            if self._apply(update, now):
+                touched[update.seq.request_id] = self.requests[update.seq.request_id]
+        if self.spec:
+            self.spec.propose()
         self.num_steps += 1
         outputs = []
         for request in touched.values():
@@ -197,6 +189,40 @@ class LLMEngine:
                 del self.requests[request.request_id]
             outputs.append(out)
         return outputs
+
+    def _plain_step(self, batch) -> list[SequenceUpdate]:
+        logits, sample_seqs = self.runner.run(batch)
+        token_ids, infos = sample(logits, sample_seqs) if sample_seqs else ([], [])
+        sampled = {seq.seq_id: (t, i) for seq, t, i in zip(sample_seqs, token_ids, infos, strict=True)}
+        updates = []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            token, info = sampled.get(seq.seq_id, (None, None))
+            updates.append(SequenceUpdate(seq, n, 0, [] if token is None else [token], [info]))
+        return updates
+
+    def _apply(self, update: SequenceUpdate, now: float) -> bool:
+        """Append an update's tokens one at a time until a stop condition (the rest are discarded), advance
+        the computed tokens (accepted drafts count, tokens past a stop do not), register full blocks
+        for prefix caching, finish a stopped sequence. True if the sequence got tokens."""
+        seq = update.seq
+        detokenizer = self.requests[seq.request_id].detokenizers[seq.index]
+        reason, kept = None, 0
+        for token_id, info in zip(update.token_ids, update.infos, strict=True):
+            seq.token_ids.append(token_id)
+            kept += 1
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            if info is not None:
+                seq.logprobs.append(info)
+            reason = self._stop_reason(seq, token_id, detokenizer)
+            if reason is not None:
+                break
+        seq.num_computed_tokens += update.num_real + min(update.num_accepted, kept)
+        self.block_manager.cache_full_blocks(seq)
+        if reason is not None:
+            seq.finish_time = now
+            self._finish(seq, detokenizer, reason)
+        return kept > 0
 
     def _stop_reason(self, seq: Sequence, token_id: int, detokenizer: IncrementalDetokenizer) -> str | None:
         """Why seq ends after its new token: "stop", "length", or None to go on. Every token but a
@@ -233,10 +259,16 @@ class LLMEngine:
 
     def stats(self) -> dict:
         bm = self.block_manager
-        return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
-                "kv_cache_usage": bm.usage, "prefix_cache_hit_rate": bm.prefix_hit_rate,
-                "num_free_blocks": bm.num_free_blocks, "num_blocks": bm.num_blocks,
-                "num_preemptions": self.scheduler.num_preemptions, "num_aborted": self.num_aborted}
+        stats = {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
+                 "kv_cache_usage": bm.usage, "prefix_cache_hit_rate": bm.prefix_hit_rate,
+                 "num_free_blocks": bm.num_free_blocks, "num_blocks": bm.num_blocks,
+                 "num_preemptions": self.scheduler.num_preemptions, "num_aborted": self.num_aborted}
+        if self.spec:
+            stats.update(spec_num_draft_tokens=self.spec.num_draft_tokens,
+                         spec_num_accepted_tokens=self.spec.num_accepted_tokens,
+                         spec_acceptance_rate=self.spec.acceptance_rate,
+                         spec_mean_accepted_length=self.spec.mean_accepted_length)
+        return stats
 
 
 class LLM:

@@ -1,14 +1,17 @@
 """Paged latent KV cache for MLA and the per-step attention metadata.
 
 Shape legend: P num_blocks, L block_size, r kv_lora_rank, dr qk_rope_head_dim, nh heads,
-T tokens in the step (all sequences, flattened), Nd decode sequences, Sd = Nd's widest block table · L.
+T tokens in the step (all sequences, flattened), Nd decode rows, Sd = the widest decode context in blocks · L.
 
 Each layer's pool stores only what MLA needs to rebuild keys and values: the normed latent c_kv
 (r values) and the rotated shared key k_pe (dr values) per token — (r + dr) instead of nh·(dqk + dv).
 
-A step is one flat batch (B = 1, T tokens) laid out as [decode tokens | prefill chunk 1 | chunk 2 …]
-(the runner orders it so). `AttentionMetadata` plays the role of nano-vllm's Context: the slot of
-every token, and per sequence its block table and query/context lengths. Every layer's
+A step is one flat batch (B = 1, T tokens) laid out as [decode rows | prefill chunk 1 | chunk 2 …]
+(the runner orders it so). A decode row is one query token with its own block table and context
+length: a plain decode is one row; a speculative verify of 1 + k tokens is 1 + k rows of one sequence
+with context lengths n+1 … n+k+1 (causal among them), so it too runs the absorbed path.
+`AttentionMetadata` plays the role of nano-vllm's Context: the slot of every token, and per decode
+row / prefill chunk its block table and query/context lengths. Every layer's
 `PagedLatentCache.attend` (called from `MLA.forward`) writes this step's latents to their slots, then
   decodes  — one batched absorbed-MLA call over the gathered latents, padding masked out;
   prefills — one naive-MLA call per chunk, causal over (cached context + chunk).
@@ -26,7 +29,7 @@ from seekforge.config import ModelConfig
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # (T,) int64: block · L + offset, where each token's latents go
-    num_decodes: int  # the first num_decodes tokens are decodes, one per sequence
+    num_decodes: int  # the first num_decodes tokens are decode rows
     decode_block_tables: torch.Tensor | None  # (Nd, max blocks) int64, padded with block 0
     decode_mask: torch.Tensor | None  # (Nd, 1, 1, Sd) bool, True = a real context token
     prefill_block_tables: list[torch.Tensor]  # per chunk: (blocks,) int64

@@ -37,6 +37,15 @@ class ScheduledBatch:
         return sum(self.num_new_tokens)
 
 
+def drop_drafts(seq: Sequence, keep: int) -> None:
+    """Keep only seq's first `keep` draft tokens (and their distributions)."""
+    keep = max(keep, 0)
+    if len(seq.draft_token_ids) > keep:
+        del seq.draft_token_ids[keep:]
+        if seq.draft_probs is not None:
+            seq.draft_probs = seq.draft_probs[:keep]
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager):
         self.config = config
@@ -58,7 +67,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = min(seq.num_tokens - seq.num_computed_tokens + len(seq.draft_token_ids), budget)
+            drop_drafts(seq, num_new - (seq.num_tokens - seq.num_computed_tokens))  # those past the budget
             while not bm.allocate(seq, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -95,6 +105,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
+        drop_drafts(seq, 0)
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -107,5 +118,6 @@ class Scheduler:
         elif seq.status is Status.WAITING:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
+        drop_drafts(seq, 0)
         seq.status = Status.FINISHED
         seq.finish_reason = reason

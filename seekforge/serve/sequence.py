@@ -108,6 +108,10 @@ class Sequence:
         self.generator = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed + index)
+        # Speculative decoding (spec_decode.py): tokens the MTP modules proposed after the last one, not
+        # yet verified, and per draft the distribution it was drawn from (d, V) (None for greedy).
+        self.draft_token_ids: list[int] = []
+        self.draft_probs: torch.Tensor | None = None
         self.logprobs: list[dict] = []  # per output token: {"token_id", "logprob", "top": [(id, logprob)]}
         self.finish_reason: str | None = None
         self.arrival_time = time.monotonic()
@@ -134,3 +138,37 @@ class Sequence:
     def __repr__(self):
         return (f"Sequence(id={self.seq_id}, request={self.request_id!r}, tokens={self.num_tokens}, "
                 f"computed={self.num_computed_tokens}, blocks={len(self.block_table)}, {self.status.value})")
+
+
+@dataclass
+class SequenceUpdate:
+    """What one step did to a scheduled sequence: it computed `num_real` of its known tokens plus
+    `num_accepted` verified draft tokens, and proposes `token_ids` to append (the accepted drafts and
+    one sampled token; empty mid-prefill), with per token the logprob info (None if not asked). The
+    engine appends them one at a time until a stop condition; tokens past it are discarded."""
+
+    seq: Sequence
+    num_real: int
+    num_accepted: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    infos: list[dict | None] = field(default_factory=list)
+
+
+class SequenceAhead:
+    """A view of `seq` as it will be once `extra` tokens follow it: what sampling reads (penalties over
+    the output so far, min_tokens, the generator), for scoring a draft's position before it is accepted."""
+
+    def __init__(self, seq: Sequence, extra: list[int]):
+        self.params = seq.params
+        self.token_ids = seq.token_ids + extra if extra else seq.token_ids
+        self.num_prompt_tokens = seq.num_prompt_tokens
+        self.stop_token_ids = seq.stop_token_ids
+        self.generator = seq.generator
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
