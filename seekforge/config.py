@@ -295,6 +295,9 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{key}={getattr(self, key)!r}: must be a positive integer")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"EngineConfig.num_kv_blocks={self.num_kv_blocks}: give at least 1, or None")
+        if self.speculative_tokens and self.num_scheduler_steps > 1:
+            raise ValueError(f"speculative_tokens={self.speculative_tokens} and num_scheduler_steps="
+                             f"{self.num_scheduler_steps} cannot be combined (as in vLLM); pick one")
         self.kv_cache_bytes = parse_bytes(self.kv_cache_memory, "EngineConfig.kv_cache_memory")
 
 

@@ -28,7 +28,7 @@ from seekforge.model.model import Transformer
 from seekforge.serve.block_manager import BlockManager
 from seekforge.serve.detokenizer import IncrementalDetokenizer
 from seekforge.serve.runner import Runner, num_kv_blocks
-from seekforge.serve.sampling import sample
+from seekforge.serve.sampling import logprob_infos, sample, sample_ids
 from seekforge.serve.scheduler import Scheduler
 from seekforge.serve.sequence import SamplingParams, Sequence, SequenceUpdate
 from seekforge.serve.spec_decode import SpecDecoder
@@ -173,6 +173,9 @@ class LLMEngine:
         if not batch.seqs:
             assert not self.scheduler.running, "scheduled nothing while sequences run"
             return []
+        num_steps = self._num_multi_steps(batch)
+        if num_steps > 1:
+            return self._multi_step(batch.seqs, num_steps)
         updates = self.spec.verify(batch) if self.spec else self._plain_step(batch)
         now = time.monotonic()
         touched: dict[str, Request] = {}
@@ -182,6 +185,42 @@ class LLMEngine:
         if self.spec:
             self.spec.propose()
         self.num_steps += 1
+        return self._outputs(touched)
+
+    def _num_multi_steps(self, batch) -> int:
+        """How many decode steps this scheduler pass may run (`num_scheduler_steps`): 1 unless every
+        scheduled sequence decodes, nothing waits for admission, no sequence needs Python-side state
+        between steps (penalties count the output, min_tokens masks stop tokens), and each has room:
+        at most its remaining tokens, with blocks pre-allocated for all of them."""
+        num_steps = self.config.num_scheduler_steps
+        if num_steps == 1 or self.scheduler.waiting:
+            return 1
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            if n != 1 or seq.num_computed_tokens != seq.num_tokens - 1 or seq.params.has_penalties or \
+                    seq.num_output_tokens < seq.params.min_tokens:
+                return 1
+            num_steps = min(num_steps, seq.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
+        if num_steps > 1 and all(self.block_manager.allocate(seq, num_steps) for seq in batch.seqs):
+            return num_steps
+        return 1  # blocks a sequence did get stay allocated; its next steps use them
+
+    def _multi_step(self, seqs: list[Sequence], num_steps: int) -> list[RequestOutput]:
+        """Run `num_steps` decode steps on the model side, then apply them token by token: stop checks and
+        streamed outputs stay per token; a stopped sequence's later tokens are discarded (its slots are
+        freed with it)."""
+        steps = self.runner.decode_steps(seqs, num_steps, lambda logits: sample_ids(logits, seqs))
+        outputs = []
+        for ids, logits in steps:
+            now = time.monotonic()
+            touched: dict[str, Request] = {}
+            for seq, token, info in zip(seqs, ids.tolist(), logprob_infos(logits, ids, seqs), strict=True):
+                if not seq.is_finished and self._apply(SequenceUpdate(seq, 1, 0, [token], [info]), now):
+                    touched[seq.request_id] = self.requests[seq.request_id]
+            outputs += self._outputs(touched)
+        self.num_steps += num_steps
+        return outputs
+
+    def _outputs(self, touched: dict[str, Request]) -> list[RequestOutput]:
         outputs = []
         for request in touched.values():
             out = self._output(request)
@@ -197,7 +236,7 @@ class LLMEngine:
         updates = []
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             token, info = sampled.get(seq.seq_id, (None, None))
-            updates.append(SequenceUpdate(seq, n, 0, [] if token is None else [token], [info]))
+            updates.append(SequenceUpdate(seq, n, 0, [] if token is None else [token], [] if token is None else [info]))
         return updates
 
     def _apply(self, update: SequenceUpdate, now: float) -> bool:

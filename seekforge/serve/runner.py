@@ -158,6 +158,33 @@ class Runner:
         last = hidden[[r for r, _ in sample]]  # only the sampled rows reach the head
         return self.logits(last), [s for _, s in sample]
 
+    @torch.inference_mode()
+    def decode_steps(self, seqs: list[Sequence], num_steps: int, draw) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Multi-step decoding: `num_steps` decode steps for `seqs` (each with only its last token not yet
+        computed, and blocks for num_steps tokens from there), sampling on the model side: each step's
+        ids (B,) = draw(logits (B, V)) feed the next step as tensors, and the metadata advances by
+        tensor ops, so no per-sequence Python runs between steps. → per step (ids (B,), logits (B, V))."""
+        bs, to, b = self.block_size, self.device, len(seqs)
+        width = max(len(s.block_table) for s in seqs)
+        tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], device=to)  # (B, W)
+        pos = torch.tensor([s.num_tokens - 1 for s in seqs], device=to)  # (B,) position of the token computed
+        ids = torch.tensor([s.token_ids[-1] for s in seqs], device=to)
+        rows, key_pos = torch.arange(b, device=to), torch.arange(width * bs, device=to)
+        steps = []
+        for _ in range(num_steps):
+            metadata = AttentionMetadata(
+                slot_mapping=tables[rows, pos // bs] * bs + pos % bs, num_decodes=b, decode_block_tables=tables,
+                decode_mask=(key_pos < pos[:, None] + 1)[:, None, None, :],  # (B, 1, 1, W·L)
+                prefill_block_tables=[], prefill_query_lens=[], prefill_context_lens=[], prefill_masks=[])
+            for cache in self.caches:
+                cache.metadata = metadata
+            hidden, _, _ = self.model.hidden(ids[None], positions=pos, kv_caches=self.caches)  # (1, B, H)
+            logits = self.logits(hidden[0])
+            ids = draw(logits)
+            steps.append((ids, logits))
+            pos = pos + 1
+        return steps
+
     def logits(self, hidden: torch.Tensor, norm=None) -> torch.Tensor:
         """hidden (N, H) before a norm (default the main model's) → fp32 logits (N, V)."""
         model = self.model

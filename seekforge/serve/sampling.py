@@ -108,16 +108,21 @@ def exponential_noise(seqs: list[Sequence], num_rows_per_seq: int, vocab: int, d
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[dict | None]]:
     """logits (N, V) fp32 for seqs → next token ids and, per row, logprob info (None if not asked)."""
+    next_ids = sample_ids(logits, seqs)
+    return next_ids.tolist(), logprob_infos(logits, next_ids, seqs)
+
+
+def sample_ids(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """logits (N, V) → next token ids (N,) on logits' device (multi-step decoding feeds them straight
+    back into the model)."""
     adjusted = adjusted_logits(logits, seqs)
     greedy_ids = adjusted.argmax(dim=-1)
     if all(s.params.greedy for s in seqs):
-        next_ids = greedy_ids
-    else:
-        probs = token_probs(adjusted, seqs)
-        sampled = (probs / exponential_noise(seqs, 1, probs.shape[1], probs.device)).argmax(dim=-1)
-        is_greedy = torch.tensor([s.params.greedy for s in seqs], device=logits.device)
-        next_ids = torch.where(is_greedy, greedy_ids, sampled)
-    return next_ids.tolist(), logprob_infos(logits, next_ids, seqs)
+        return greedy_ids
+    probs = token_probs(adjusted, seqs)
+    sampled = (probs / exponential_noise(seqs, 1, probs.shape[1], probs.device)).argmax(dim=-1)
+    is_greedy = torch.tensor([s.params.greedy for s in seqs], device=logits.device)
+    return torch.where(is_greedy, greedy_ids, sampled)
 
 
 def logprob_infos(raw: torch.Tensor, next_ids: torch.Tensor, seqs: list[Sequence]) -> list[dict | None]:

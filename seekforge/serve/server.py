@@ -336,6 +336,10 @@ def add_arguments(p):
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--no-chunked-prefill", action="store_true")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--speculative-tokens", type=int, default=0,
+                   help="k > 0: the model's MTP modules draft k tokens per step, one pass verifies them")
+    p.add_argument("--num-scheduler-steps", type=int, default=1,
+                   help="N > 1: N decode steps per scheduler pass while no prefill waits")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--log-level", default="info")
     p.add_argument("--trace-dir", default="traces", help="where POST /debug/trace and SIGUSR2 write profiler traces")
@@ -347,7 +351,8 @@ def engine_config_from_args(args):
     return EngineConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=args.max_model_len, enable_chunked_prefill=not args.no_chunked_prefill,
-                        enable_prefix_caching=not args.no_prefix_caching)
+                        enable_prefix_caching=not args.no_prefix_caching,
+                        speculative_tokens=args.speculative_tokens, num_scheduler_steps=args.num_scheduler_steps)
 
 
 def run(args):

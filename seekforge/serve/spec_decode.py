@@ -110,7 +110,7 @@ class SpecDecoder:
         runner = self.runner
         k = max(n for _, _, n in sampling)
         row_index = torch.tensor([min(r + j, r + n) for _, r, n in sampling for j in range(k + 1)])
-        raw = runner.logits(normed[row_index.to(normed.device)])  # (N·(K+1), V): padding repeats the last row
+        raw = runner.model.lm_head(normed[row_index.to(normed.device)]).float()  # (N·(K+1), V), padding repeats
         views = [SequenceAhead(u.seq, u.seq.draft_token_ids[:min(j, n)]) for u, _, n in sampling
                  for j in range(k + 1)]
         target = token_probs(adjusted_logits(raw, views), views).view(len(sampling), k + 1, -1)  # (N, K+1, V)

@@ -29,8 +29,16 @@ def prompts():
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model, prompts):
-    return [generate(tiny_model, p, MAX_NEW) for p in prompts]
+def model():
+    """Norms away from 1 (a random init has them at exactly 1, where an extra norm goes unseen)."""
+    from tests.model.test_hf import randomize_
+
+    return randomize_(build_model(preset("tiny"), seed=0)).eval()
+
+
+@pytest.fixture(scope="module")
+def reference(model, prompts):
+    return [generate(model, p, MAX_NEW) for p in prompts]
 
 
 @pytest.fixture
@@ -51,8 +59,8 @@ def oracle_drafts(monkeypatch, prompts, reference):
 
 @pytest.mark.parametrize("k", [1, 3])
 @pytest.mark.parametrize("chunked", [True, False])
-def test_greedy_equals_plain_engine(tiny_model, byte_tokenizer, prompts, reference, oracle_drafts, k, chunked):
-    llm = LLM(tiny_model, byte_tokenizer, block_size=8, num_kv_blocks=128, speculative_tokens=k,
+def test_greedy_equals_plain_engine(model, byte_tokenizer, prompts, reference, oracle_drafts, k, chunked):
+    llm = LLM(model, byte_tokenizer, block_size=8, num_kv_blocks=128, speculative_tokens=k,
               enable_chunked_prefill=chunked, max_num_batched_tokens=32 if chunked else 256)
     for _ in range(2):  # the second round hits the prefix cache: hashes must cover accepted tokens only
         outs = llm.generate(prompts, GREEDY)
@@ -64,8 +72,8 @@ def test_greedy_equals_plain_engine(tiny_model, byte_tokenizer, prompts, referen
     assert llm.engine.block_manager.num_free_blocks == 128
 
 
-def test_greedy_equals_plain_engine_own_mtp_under_preemption(tiny_model, byte_tokenizer, prompts, reference):
-    llm = LLM(tiny_model, byte_tokenizer, block_size=8, num_kv_blocks=24, max_num_batched_tokens=64,
+def test_greedy_equals_plain_engine_own_mtp_under_preemption(model, byte_tokenizer, prompts, reference):
+    llm = LLM(model, byte_tokenizer, block_size=8, num_kv_blocks=24, max_num_batched_tokens=64,
               speculative_tokens=2)
     outs = llm.generate(prompts, GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == reference
@@ -75,9 +83,9 @@ def test_greedy_equals_plain_engine_own_mtp_under_preemption(tiny_model, byte_to
     assert stats["spec_num_draft_tokens"] > 0 and 0 <= stats["spec_acceptance_rate"] <= 1
 
 
-def test_stop_inside_accepted_drafts_discards_the_rest(tiny_model, byte_tokenizer, prompts, reference, oracle_drafts):
+def test_stop_inside_accepted_drafts_discards_the_rest(model, byte_tokenizer, prompts, reference, oracle_drafts):
     # stop on the reference's 5th token: drafts accepted past it must not reach the output
-    outs = LLM(tiny_model, byte_tokenizer, block_size=8, num_kv_blocks=128, speculative_tokens=3).generate(
+    outs = LLM(model, byte_tokenizer, block_size=8, num_kv_blocks=128, speculative_tokens=3).generate(
         prompts[:4], [SamplingParams(temperature=0, max_tokens=MAX_NEW, stop_token_ids=[r[4]]) for r in reference[:4]])
     for out, ref in zip(outs, reference[:4], strict=True):
         assert out.outputs[0].token_ids == ref[:ref.index(ref[4]) + 1]
@@ -169,3 +177,20 @@ def test_engine_sampled_tokens_follow_target_distribution(byte_tokenizer):
         assert chi2_pvalue(counts[keep], expected[keep]) > 1e-3, (position, counts, expected * n)
     spec = llm.engine.spec
     assert 0.05 < spec.acceptance_rate < 0.95, spec.acceptance_rate
+
+
+def test_metrics_report_acceptance(tiny_model, byte_tokenizer):
+    import httpx
+
+    from seekforge.config import EngineConfig
+    from tests.serve.conftest import serving
+
+    config = EngineConfig(num_kv_blocks=64, block_size=8, speculative_tokens=2)
+    with serving(tiny_model, byte_tokenizer, config) as server:
+        r = httpx.post(f"{server.base_url}/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 8,
+                                                                   "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+        text = httpx.get(f"{server.base_url}/metrics").text
+    drafted = [line for line in text.splitlines() if line.startswith("seekforge_spec_decode_num_draft_tokens_total")]
+    assert drafted and float(drafted[0].split()[-1]) > 0
+    assert "seekforge_spec_decode_acceptance_rate" in text and "seekforge_spec_decode_mean_accepted_length" in text
