@@ -285,6 +285,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     speculative_tokens: int = 0  # k > 0: the model's MTP modules draft k tokens, one target pass verifies them
     num_scheduler_steps: int = 1  # N > 1: N decode steps per scheduler pass while no prefill waits
+    enable_lora: bool = False  # serve LoRA adapters (serve/lora.py), loaded at start or at run time
 
     def __post_init__(self):
         if not isinstance(self.speculative_tokens, int) or self.speculative_tokens < 0:

@@ -27,6 +27,7 @@ from seekforge.config import EngineConfig
 from seekforge.model.model import Transformer
 from seekforge.serve.block_manager import BlockManager
 from seekforge.serve.detokenizer import IncrementalDetokenizer
+from seekforge.serve.lora import LoRAAdapter, load_adapter
 from seekforge.serve.runner import Runner, num_kv_blocks
 from seekforge.serve.sampling import logprob_infos, sample, sample_ids
 from seekforge.serve.scheduler import Scheduler
@@ -103,9 +104,12 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def make_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                     request_id: str | None = None, cache_salt: str | None = None) -> Request:
-        """Validate and tokenize, touching no engine state (safe from any thread)."""
+                     request_id: str | None = None, cache_salt: str | None = None,
+                     lora_name: str | None = None) -> Request:
+        """Validate and tokenize, touching no engine state (safe from any thread). `lora_name`: a loaded
+        LoRA adapter to run the request with (None: the base model)."""
         params = params or SamplingParams()
+        lora = self._lora(lora_name)
         if isinstance(prompt, str):  # a BOS only if training put one there (the tokenizer's add_bos_token)
             prompt_ids = self.tokenizer.encode(prompt, add_bos=getattr(self.tokenizer, "add_bos_token", False))
         else:
@@ -132,7 +136,7 @@ class LLMEngine:
                              f"step (max_num_batched_tokens={self.config.max_num_batched_tokens}); enable "
                              "chunked prefill or raise max_num_batched_tokens")
         request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        seqs = [Sequence(request_id, i, prompt_ids, params, max_tokens, self.eos_token_id, cache_salt)
+        seqs = [Sequence(request_id, i, prompt_ids, params, max_tokens, self.eos_token_id, cache_salt, lora)
                 for i in range(params.n)]
         return Request(request_id, prompt_ids, seqs, [IncrementalDetokenizer(self.tokenizer, params.stop)
                                                       for _ in seqs])
@@ -146,8 +150,36 @@ class LLMEngine:
         return request.request_id
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, cache_salt: str | None = None) -> str:
-        return self.add(self.make_request(prompt, params, request_id, cache_salt))
+                    request_id: str | None = None, cache_salt: str | None = None, lora_name: str | None = None) -> str:
+        return self.add(self.make_request(prompt, params, request_id, cache_salt, lora_name))
+
+    # ------------------------------------------------------------------ LoRA adapters (lora.py)
+    def load_lora(self, name: str, path: str) -> None:
+        """Load a PEFT LoRA adapter under `name`; requests select it by that name. Safe from any thread:
+        the engine only ever sees the adapter once it is complete."""
+        self._lora_manager().add(load_adapter(name, path, self.model))
+
+    def unload_lora(self, name: str) -> None:
+        """New requests can no longer use `name`; running ones finish with it. KeyError if not loaded."""
+        self._lora_manager().remove(name)
+
+    @property
+    def lora_adapters(self) -> dict[str, LoRAAdapter]:
+        return dict(self.runner.lora.adapters) if self.runner.lora is not None else {}
+
+    def _lora_manager(self):
+        if self.runner.lora is None:
+            raise ValueError("LoRA adapters are off; start the engine with enable_lora=True (seekforge serve "
+                             "--enable-lora, or --lora-modules name=path)")
+        return self.runner.lora
+
+    def _lora(self, name: str | None) -> LoRAAdapter | None:
+        if name is None:
+            return None
+        adapter = self.lora_adapters.get(name)
+        if adapter is None:
+            raise ValueError(f"no LoRA adapter named {name!r} is loaded; loaded: {sorted(self.lora_adapters)}")
+        return adapter
 
     def abort(self, request_id: str) -> RequestOutput | None:
         request = self.requests.pop(request_id, None)
@@ -334,8 +366,9 @@ class LLM:
         self.tokenizer = tokenizer
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 ) -> list[RequestOutput]:
-        """prompts: a string, a list of token ids, or a list of either. Outputs come in prompt order."""
+                 lora_name: str | list[str | None] | None = None) -> list[RequestOutput]:
+        """prompts: a string, a list of token ids, or a list of either. Outputs come in prompt order.
+        lora_name: a loaded LoRA adapter for every prompt, or one per prompt (None: the base model)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not isinstance(sampling_params, list):
@@ -344,7 +377,9 @@ class LLM:
             raise ValueError(f"{len(sampling_params)} SamplingParams for {len(prompts)} prompts; give one or "
                              "one per prompt")
         engine = self.engine
-        requests = [engine.make_request(p, sp) for p, sp in zip(prompts, sampling_params, strict=True)]
+        loras = lora_name if isinstance(lora_name, list) else [lora_name] * len(prompts)
+        requests = [engine.make_request(p, sp, lora_name=lora)
+                    for p, sp, lora in zip(prompts, sampling_params, loras, strict=True)]
         ids = [engine.add(r) for r in requests]  # all validated first: a bad prompt adds nothing
         done: dict[str, RequestOutput] = {}
         while len(done) < len(ids):
@@ -382,10 +417,11 @@ class AsyncEngine:
         self._thread.start()
 
     def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
-                 request_id: str | None = None, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                 request_id: str | None = None, cache_salt: str | None = None,
+                 lora_name: str | None = None) -> AsyncIterator[RequestOutput]:
         """Validate now (a bad request raises ValueError here, before any streaming starts) and return
         the stream of cumulative outputs; the request starts when the stream is first awaited."""
-        return self._stream(self.engine.make_request(prompt, params, request_id, cache_salt))
+        return self._stream(self.engine.make_request(prompt, params, request_id, cache_salt, lora_name))
 
     async def _stream(self, request: Request) -> AsyncIterator[RequestOutput]:
         stream: asyncio.Queue = asyncio.Queue()

@@ -36,6 +36,10 @@ class AttentionMetadata:
     prefill_query_lens: list[int]
     prefill_context_lens: list[int]  # cached tokens before the chunk + the chunk
     prefill_masks: list[torch.Tensor]  # per chunk: (q_len, context_len) bool, causal after the cached part
+    # Multi-LoRA (lora.py): the manager, and per decode row / prefill chunk its adapter slot (-1 = base)
+    lora: object | None = None
+    decode_adapter: torch.Tensor | None = None  # (Nd,) int64
+    prefill_adapters: list[int] | None = None
 
 
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -46,7 +50,9 @@ def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> in
 class PagedLatentCache:
     """One layer's block pool. `metadata` is shared by all layers and replaced every step."""
 
-    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype, device):
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype, device,
+                 kv_b_name: str | None = None):
+        self.kv_b_name = kv_b_name  # this layer's kv_b_proj, which a LoRA adapter may target (lora.py)
         self.c_kv = torch.zeros(num_blocks, block_size, cfg.kv_lora_rank, dtype=dtype, device=device)
         self.k_pe = torch.zeros(num_blocks, block_size, cfg.qk_rope_head_dim, dtype=dtype, device=device)
         self.metadata: AttentionMetadata | None = None
@@ -66,14 +72,23 @@ class PagedLatentCache:
             ctx_k_pe = self._gather(self.k_pe, tables.flatten()).view(nd, -1, dr)  # (Nd, Sd, dr)
             out = attn.attend_absorbed(q_nope[0, :nd, None], q_pe[0, :nd, None], ctx_c_kv, ctx_k_pe,
                                        mask=md.decode_mask)  # (Nd, 1, nh·dv)
+            if md.decode_adapter is not None and self.kv_b_name is not None:
+                # rows of adapters with a LoRA on kv_b_proj: absorbed again with the merged weight
+                for rows, weight in md.lora.kv_b_groups(attn.kv_b_proj, self.kv_b_name, md.decode_adapter):
+                    out[rows] = attn.attend_absorbed(q_nope[0, rows, None], q_pe[0, rows, None], ctx_c_kv[rows],
+                                                     ctx_k_pe[rows], mask=md.decode_mask[rows], kv_b_weight=weight)
             outs.append(out[:, 0])
         start = nd
-        for table, q_len, ctx_len, mask in zip(md.prefill_block_tables, md.prefill_query_lens,
-                                               md.prefill_context_lens, md.prefill_masks, strict=True):
+        for i, (table, q_len, ctx_len, mask) in enumerate(zip(md.prefill_block_tables, md.prefill_query_lens,
+                                                              md.prefill_context_lens, md.prefill_masks, strict=True)):
             ctx_c_kv = self._gather(self.c_kv, table).view(-1, r)[None, :ctx_len]  # (1, S, r)
             ctx_k_pe = self._gather(self.k_pe, table).view(-1, dr)[None, :ctx_len]
             end = start + q_len
-            out = attn.attend_naive(q_nope[:, start:end], q_pe[:, start:end], ctx_c_kv, ctx_k_pe, mask=mask)
+            weight = None
+            if md.prefill_adapters is not None and self.kv_b_name is not None:
+                weight = md.lora.merged_kv_b(attn.kv_b_proj, self.kv_b_name, md.prefill_adapters[i])
+            out = attn.attend_naive(q_nope[:, start:end], q_pe[:, start:end], ctx_c_kv, ctx_k_pe, mask=mask,
+                                    kv_b_weight=weight)
             outs.append(out[0])
             start = end
         return torch.cat(outs)[None] if len(outs) > 1 else outs[0][None]

@@ -17,6 +17,7 @@ import torch
 from seekforge.config import EngineConfig
 from seekforge.model.model import Transformer
 from seekforge.serve.kv_cache import AttentionMetadata, PagedLatentCache, bytes_per_block
+from seekforge.serve.lora import LoRAManager
 from seekforge.serve.scheduler import ScheduledBatch
 from seekforge.serve.sequence import Sequence
 
@@ -68,11 +69,12 @@ class Runner:
         weight = model.embed_tokens.weight
         self.device = weight.device
 
-        def pool():
-            return PagedLatentCache(model.cfg, num_blocks, config.block_size, weight.dtype, weight.device)
+        def pool(kv_b_name=None):
+            return PagedLatentCache(model.cfg, num_blocks, config.block_size, weight.dtype, weight.device, kv_b_name)
 
-        self.caches = [pool() for _ in model.layers]
+        self.caches = [pool(f"layers.{i}.self_attn.kv_b_proj") for i in range(len(model.layers))]
         self.mtp_caches = [pool() for _ in model.mtp] if config.speculative_tokens else []
+        self.lora: LoRAManager | None = LoRAManager(model) if config.enable_lora else None
 
     def prepare(self, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """→ input ids (1, T), positions (T,), AttentionMetadata, and the flat row of each chunk's first
@@ -117,8 +119,22 @@ class Runner:
             prefill_masks=[torch.ones(len(c.token_ids), c.start + len(c.token_ids), dtype=torch.bool, device=to)
                            .tril(c.start) for c in prefills],
         )
+        self._set_lora(metadata, [c.seq for c in order], [len(c.token_ids) for c in order], nd)
         ids = torch.tensor([input_ids], dtype=torch.long, device=to)
         return ids, pos.to(to), metadata, [first_row[id(c)] for c in chunks]
+
+    def _set_lora(self, metadata: AttentionMetadata, seqs: list[Sequence], lens: list[int], nd: int) -> None:
+        """Tell the LoRA hooks and the caches which adapter each flat token uses (seqs, lens in flat order;
+        the first nd tokens are decode rows)."""
+        if self.lora is None:
+            return
+        self.lora.set_step([s.lora for s in seqs], lens, self.device)
+        if self.lora.token_adapter is not None:
+            metadata.lora = self.lora
+            metadata.decode_adapter = self.lora.token_adapter[:nd]
+            starts = torch.tensor([0] + lens).cumsum(0)
+            metadata.prefill_adapters = [int(self.lora.token_adapter[starts[i]]) for i in range(len(seqs))
+                                         if starts[i] >= nd]
 
     @torch.inference_mode()
     def forward(self, chunks: list[Chunk]) -> tuple[torch.Tensor, list[int]]:
@@ -176,6 +192,7 @@ class Runner:
                 slot_mapping=tables[rows, pos // bs] * bs + pos % bs, num_decodes=b, decode_block_tables=tables,
                 decode_mask=(key_pos < pos[:, None] + 1)[:, None, None, :],  # (B, 1, 1, W·L)
                 prefill_block_tables=[], prefill_query_lens=[], prefill_context_lens=[], prefill_masks=[])
+            self._set_lora(metadata, seqs, [1] * b, b)
             for cache in self.caches:
                 cache.metadata = metadata
             hidden, _, _ = self.model.hidden(ids[None], positions=pos, kv_caches=self.caches)  # (1, B, H)

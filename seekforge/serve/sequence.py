@@ -87,7 +87,7 @@ _seq_ids = itertools.count()
 
 class Sequence:
     def __init__(self, request_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams,
-                 max_tokens: int, eos_token_id: int | None, cache_salt: str | None = None):
+                 max_tokens: int, eos_token_id: int | None, cache_salt: str | None = None, lora=None):
         self.seq_id = next(_seq_ids)
         self.request_id = request_id
         self.index = index  # which of the request's n completions
@@ -101,6 +101,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []  # chained hashes of the full blocks, in order
         self.cache_salt = cache_salt
+        self.lora = lora  # a serve.lora.LoRAAdapter, or None for the base model
         self.stop_token_ids = set(params.stop_token_ids)
         if eos_token_id is not None and not params.ignore_eos:
             self.stop_token_ids.add(eos_token_id)
@@ -118,6 +119,14 @@ class Sequence:
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.num_preemptions = 0
+
+    @property
+    def cache_key(self) -> str | None:
+        """What keys this sequence's prefix-cache blocks besides its tokens: the cache salt and the LoRA
+        adapter (a load's unique id: latents computed under one adapter are not another's)."""
+        if self.lora is None:
+            return self.cache_salt
+        return f"{self.cache_salt or ''}\x00lora:{self.lora.lora_id}"
 
     @property
     def num_tokens(self) -> int:
