@@ -44,8 +44,7 @@ class LoRAAdapter:
     name: str
     path: str
     rank: int
-    scale: float
-    weights: dict[str, tuple[torch.Tensor, torch.Tensor]]  # module name → (A (r, in), B (out, r))
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor, float]]  # module name → (A (r, in), B (out, r), scale)
     lora_id: int  # unique per load: part of the prefix-cache key, so a reloaded adapter never hits stale blocks
 
 
@@ -64,9 +63,6 @@ def load_adapter(name: str, path: str, model: Transformer) -> LoRAAdapter:
         raise ValueError(f"LoRA {name!r}: bias={config.get('bias')!r} / fan_in_fan_out are not supported; "
                          "train with bias='none'")
     rank, alpha = int(config["r"]), float(config.get("lora_alpha", config["r"]))
-    if config.get("rank_pattern") or config.get("alpha_pattern"):
-        raise ValueError(f"LoRA {name!r}: per-module rank_pattern / alpha_pattern are not supported")
-    scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     linears = dict(model.named_modules())
     parts: dict[str, dict[str, torch.Tensor]] = {}
     dtype, device = model.embed_tokens.weight.dtype, model.embed_tokens.weight.device
@@ -81,12 +77,24 @@ def load_adapter(name: str, path: str, model: Transformer) -> LoRAAdapter:
     weights = {}
     for module, ab in parts.items():
         linear = linears[module]
+        r = int(_pattern_value(config.get("rank_pattern") or {}, module, rank))
+        module_alpha = float(_pattern_value(config.get("alpha_pattern") or {}, module, alpha))
         a, b = ab.get("A"), ab.get("B")
-        if a is None or b is None or a.shape != (rank, linear.in_features) or b.shape != (linear.out_features, rank):
-            raise ValueError(f"LoRA {name!r}: {module} needs lora_A ({rank}, {linear.in_features}) and lora_B "
-                             f"({linear.out_features}, {rank}); is the adapter for this model?")
-        weights[module] = (a, b)
-    return LoRAAdapter(name, str(path), rank, scale, weights, next(_ids))
+        if a is None or b is None or a.shape != (r, linear.in_features) or b.shape != (linear.out_features, r):
+            raise ValueError(f"LoRA {name!r}: {module} needs lora_A ({r}, {linear.in_features}) and lora_B "
+                             f"({linear.out_features}, {r}); is the adapter for this model?")
+        scale = module_alpha / math.sqrt(r) if config.get("use_rslora") else module_alpha / r
+        weights[module] = (a, b, scale)
+    return LoRAAdapter(name, str(path), rank, weights, next(_ids))
+
+
+def _pattern_value(patterns: dict, module: str, default):
+    """PEFT's rank_pattern / alpha_pattern: the value of the first key (a regex) matching the end of the
+    module's name, else `default`."""
+    for key, value in patterns.items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
 
 
 class LoRAManager:
@@ -126,6 +134,11 @@ class LoRAManager:
         per_chunk = torch.tensor([-1 if a is None else slot[id(a)] for a in adapter_per_chunk])
         self.token_adapter = per_chunk.repeat_interleave(torch.tensor(tokens_per_chunk)).to(device)
 
+    def clear_step(self) -> None:
+        """After the forward: the hooks go quiet, so another engine sharing the model (a reference
+        engine in a test, GRPO's trainer) is never touched by this one's adapters."""
+        self.step_adapters, self.token_adapter = [], None
+
     def _hook(self, name: str):
         def hook(module, inputs, output):
             if self.token_adapter is None:
@@ -134,12 +147,12 @@ class LoRAManager:
             assert x.shape[0] == self.token_adapter.shape[0], (name, x.shape)
             out = output.reshape(-1, output.shape[-1]).clone()  # (T, out)
             for i, adapter in enumerate(self.step_adapters):
-                ab = adapter.weights.get(name)
-                if ab is None:
+                lora = adapter.weights.get(name)
+                if lora is None:
                     continue
                 rows = (self.token_adapter == i).nonzero()[:, 0]
-                a, b = ab
-                out.index_add_(0, rows, (x[rows] @ a.t()) @ b.t(), alpha=adapter.scale)
+                a, b, scale = lora
+                out.index_add_(0, rows, (x[rows] @ a.t()) @ b.t(), alpha=scale)
             return out.view(output.shape)
         return hook
 
@@ -147,11 +160,11 @@ class LoRAManager:
         """kv_b_proj's weight with this step's adapter `slot` merged in: W + scale · B A (out, r_kv), or None
         if that adapter leaves `name` alone."""
         adapter = self.step_adapters[slot] if slot >= 0 else None
-        ab = adapter.weights.get(name) if adapter is not None else None
-        if ab is None:
+        lora = adapter.weights.get(name) if adapter is not None else None
+        if lora is None:
             return None
-        a, b = ab
-        return kv_b_proj.weight + adapter.scale * (b @ a)
+        a, b, scale = lora
+        return kv_b_proj.weight + scale * (b @ a)
 
     def kv_b_groups(self, kv_b_proj: nn.Linear, name: str, row_adapter: torch.Tensor):
         """Decode rows (row_adapter (Nd,) = slot, -1 = base) → [(rows, merged kv_b weight)] for each adapter

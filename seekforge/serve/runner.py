@@ -123,6 +123,10 @@ class Runner:
         ids = torch.tensor([input_ids], dtype=torch.long, device=to)
         return ids, pos.to(to), metadata, [first_row[id(c)] for c in chunks]
 
+    def _clear_lora(self) -> None:
+        if self.lora is not None:
+            self.lora.clear_step()
+
     def _set_lora(self, metadata: AttentionMetadata, seqs: list[Sequence], lens: list[int], nd: int) -> None:
         """Tell the LoRA hooks and the caches which adapter each flat token uses (seqs, lens in flat order;
         the first nd tokens are decode rows)."""
@@ -142,7 +146,10 @@ class Runner:
         ids, positions, metadata, rows = self.prepare(chunks)
         for cache in self.caches:
             cache.metadata = metadata
-        hidden, _, _ = self.model.hidden(ids, positions=positions, kv_caches=self.caches)  # (1, T, H)
+        try:
+            hidden, _, _ = self.model.hidden(ids, positions=positions, kv_caches=self.caches)  # (1, T, H)
+        finally:
+            self._clear_lora()
         return hidden[0], rows
 
     @torch.inference_mode()
@@ -159,6 +166,7 @@ class Runner:
         for h, r in zip(h_prev, rows, strict=True):
             flat[r:r + h.shape[0]] = h
         cos, sin = model.rotary(positions)
+        self._clear_lora()  # the MTP modules take no LoRA
         h = model.mtp[depth](flat[None], model.embed_tokens(ids), cos, sin, kv_cache=cache)  # (1, T, H)
         return h[0], rows
 
@@ -195,7 +203,10 @@ class Runner:
             self._set_lora(metadata, seqs, [1] * b, b)
             for cache in self.caches:
                 cache.metadata = metadata
-            hidden, _, _ = self.model.hidden(ids[None], positions=pos, kv_caches=self.caches)  # (1, B, H)
+            try:
+                hidden, _, _ = self.model.hidden(ids[None], positions=pos, kv_caches=self.caches)  # (1, B, H)
+            finally:
+                self._clear_lora()
             logits = self.logits(hidden[0])
             ids = draw(logits)
             steps.append((ids, logits))
