@@ -2,7 +2,10 @@
 
     LLMEngine   — synchronous core: add_request / abort / step. One step = schedule → run → sample →
                   update sequences (stop checks, incremental detokenization: detokenizer.py) →
-                  finished sequences release their blocks.
+                  finished sequences release their blocks. With `speculative_tokens` the run + sample
+                  is spec_decode.py's verify and the step ends with MTP drafts; with
+                  `num_scheduler_steps` an all-decode batch runs N steps on the model side
+                  (Runner.decode_steps) before the updates; LoRA adapters: lora.py.
     LLM         — offline API: `LLM("tiny").generate(["Hello", [1, 2, 3]], SamplingParams(max_tokens=8))`.
     AsyncEngine — runs an LLMEngine on a background thread for the server: `async for out in
                   engine.generate(prompt, params)` streams cumulative RequestOutputs; leaving the loop

@@ -174,10 +174,5 @@ class SequenceAhead:
         self.stop_token_ids = seq.stop_token_ids
         self.generator = seq.generator
 
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+    num_output_tokens = Sequence.num_output_tokens  # the same properties over the extended tokens
+    output_token_ids = Sequence.output_token_ids

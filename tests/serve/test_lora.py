@@ -99,9 +99,10 @@ def test_mixed_batch_equals_per_adapter_runs(setup):
     names = ["a", None, "b", "a", "b", None]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     mixed = [o.outputs[0].token_ids for o in llm.generate(prompts, params, lora_name=names)]
-    alone = [llm.generate([p], params, lora_name=n)[0].outputs[0].token_ids for p, n in zip(prompts, names, strict=True)]
+    alone = [llm.generate([p], params, lora_name=n)[0].outputs[0].token_ids
+             for p, n in zip(prompts, names, strict=True)]
     assert mixed == alone
-    assert len({tuple(t) for t in mixed[:1] + [llm.generate([prompts[0]], params)[0].outputs[0].token_ids]}) == 2
+    assert llm.generate([prompts[0]], params)[0].outputs[0].token_ids != mixed[0]  # "a" changes the output
 
 
 def test_adapter_keys_the_prefix_cache(setup):
