@@ -165,8 +165,9 @@ def test_engine_sampled_tokens_follow_target_distribution(byte_tokenizer):
     prompt = [1, 2, 3, 4, 5, 6]
     torch.manual_seed(0)
     n = 3000
-    llm = LLM(model, byte_tokenizer, num_kv_blocks=64, block_size=8, speculative_tokens=2, max_num_seqs=256,
-              enable_prefix_caching=False)
+    # every sequence in one batch: a few large steps instead of many small ones
+    llm = LLM(model, byte_tokenizer, num_kv_blocks=2 * n + 8, block_size=8, speculative_tokens=2, max_num_seqs=n,
+              max_num_batched_tokens=len(prompt) * n, enable_prefix_caching=False)
     (out,) = llm.generate([prompt], SamplingParams(n=n, temperature=1.0, max_tokens=4, ignore_eos=True))
     for position in (1, 2):
         tokens = torch.tensor([c.token_ids[position] for c in out.outputs])
