@@ -102,6 +102,10 @@ def test_mixed_batch_equals_per_adapter_runs(setup):
     alone = [llm.generate([p], params, lora_name=n)[0].outputs[0].token_ids
              for p, n in zip(prompts, names, strict=True)]
     assert mixed == alone
+    steps = LLM(model, num_kv_blocks=96, block_size=8, enable_lora=True, num_scheduler_steps=4)
+    for name, (path, _) in adapters.items():
+        steps.engine.load_lora(name, path)
+    assert [o.outputs[0].token_ids for o in steps.generate(prompts, params, lora_name=names)] == mixed
     assert llm.generate([prompts[0]], params)[0].outputs[0].token_ids != mixed[0]  # "a" changes the output
 
 
