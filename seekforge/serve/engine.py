@@ -208,7 +208,7 @@ class LLMEngine:
         if not batch.seqs:
             assert not self.scheduler.running, "scheduled nothing while sequences run"
             return []
-        num_steps = self._num_multi_steps(batch)
+        num_steps = self.scheduler.num_decode_steps(batch, self.max_model_len)
         if num_steps > 1:
             return self._multi_step(batch.seqs, num_steps)
         updates = self.spec.verify(batch) if self.spec else self._plain_step(batch)
@@ -221,23 +221,6 @@ class LLMEngine:
             self.spec.propose()
         self.num_steps += 1
         return self._outputs(touched)
-
-    def _num_multi_steps(self, batch) -> int:
-        """How many decode steps this scheduler pass may run (`num_scheduler_steps`): 1 unless every
-        scheduled sequence decodes, nothing waits for admission, no sequence needs Python-side state
-        between steps (penalties count the output, min_tokens masks stop tokens), and each has room:
-        at most its remaining tokens, with blocks pre-allocated for all of them."""
-        num_steps = self.config.num_scheduler_steps
-        if num_steps == 1 or self.scheduler.waiting:
-            return 1
-        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            if n != 1 or seq.num_computed_tokens != seq.num_tokens - 1 or seq.params.has_penalties or \
-                    seq.num_output_tokens < seq.params.min_tokens:
-                return 1
-            num_steps = min(num_steps, seq.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
-        if num_steps > 1 and all(self.block_manager.allocate(seq, num_steps) for seq in batch.seqs):
-            return num_steps
-        return 1  # blocks a sequence did get stay allocated; its next steps use them
 
     def _multi_step(self, seqs: list[Sequence], num_steps: int) -> list[RequestOutput]:
         """Run `num_steps` decode steps on the model side, then apply them token by token: stop checks and
