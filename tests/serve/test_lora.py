@@ -170,3 +170,19 @@ def test_load_unload_through_the_server_under_load(setup, byte_tokenizer):
         assert r.status_code == 404
         thread.join()
         assert not errors
+
+
+def test_serve_flags():
+    import argparse
+
+    from seekforge.serve.server import add_arguments, engine_config_from_args, parse_lora_modules
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--speculative-tokens", "2", "--lora-modules", "a=/x", "b=/y/z"])
+    config = engine_config_from_args(args)
+    assert config.speculative_tokens == 2 and config.enable_lora and config.num_scheduler_steps == 1
+    assert parse_lora_modules(args.lora_modules) == [("a", "/x"), ("b", "/y/z")]
+    with pytest.raises(ValueError, match="NAME=PATH"):
+        parse_lora_modules(["nopath"])
+    assert engine_config_from_args(parser.parse_args(["--num-scheduler-steps", "8"])).num_scheduler_steps == 8
