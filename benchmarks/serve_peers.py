@@ -149,13 +149,21 @@ def converter_dir(env: Path) -> Path:
 
 
 # Run with the main environment's python (torch, transformers): the converter, told that our byte
-# tokenizer's pre-tokenizer is GPT-2's (it only matters for text; every prompt here is token ids).
+# tokenizer's pre-tokenizer is GPT-2's (it only matters for text; every prompt here is token ids), and
+# given one merge between the symbols of bytes 0 and 1: our byte-level BPE has none, gguf-py then
+# writes no merges list, and llama.cpp refuses a BPE vocabulary without one.
 CONVERT = """
 import sys
 sys.path[:0] = [sys.argv[1], sys.argv[1] + "/gguf-py"]
 import convert_hf_to_gguf as c
+import gguf
 base = getattr(c, "TextModel", None) or c.Model
 base.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+add_to_gguf = gguf.SpecialVocab.add_to_gguf
+def with_merge(self, *args, **kwargs):
+    self.merges = self.merges or ["\u0100 \u0101"]
+    return add_to_gguf(self, *args, **kwargs)
+gguf.SpecialVocab.add_to_gguf = with_merge
 sys.argv = ["convert_hf_to_gguf.py", sys.argv[2], "--outtype", "f32", "--outfile", sys.argv[3]]
 c.main()
 """
