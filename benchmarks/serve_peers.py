@@ -133,7 +133,8 @@ def install_llamacpp(env: Path, dry: bool) -> None:
 
 
 def converter_dir(env: Path) -> Path:
-    """llama.cpp's convert_hf_to_gguf.py and its gguf package, unpacked from the source distribution."""
+    """llama.cpp's convert_hf_to_gguf.py, its conversion/ package and gguf-py, unpacked from the source
+    distribution."""
     out = env / "llama.cpp"
     if (out / "convert_hf_to_gguf.py").exists():
         return out
@@ -142,7 +143,7 @@ def converter_dir(env: Path) -> Path:
         for member in tar.getmembers():
             parts = Path(member.name).parts  # llama_cpp_python-X/vendor/llama.cpp/<file>
             if parts[1:3] == ("vendor", "llama.cpp") and len(parts) > 3 and (
-                    parts[3] == "convert_hf_to_gguf.py" or parts[3] == "gguf-py"):
+                    parts[3] in ("convert_hf_to_gguf.py", "conversion", "gguf-py")):
                 member.name = str(Path(*parts[3:]))
                 tar.extract(member, out, filter="data")
     return out
@@ -157,7 +158,10 @@ import sys
 sys.path[:0] = [sys.argv[1], sys.argv[1] + "/gguf-py"]
 import convert_hf_to_gguf as c
 import gguf
-base = getattr(c, "TextModel", None) or c.Model
+try:  # llama.cpp keeps the model classes in its conversion/ package since 2026
+    from conversion.base import TextModel as base
+except ImportError:
+    base = getattr(c, "TextModel", None) or c.Model
 base.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
 add_to_gguf = gguf.SpecialVocab.add_to_gguf
 def with_merge(self, *args, **kwargs):

@@ -31,7 +31,8 @@ def test_converter_unpacked_from_the_sdist_layout(tmp_path):
     (env / "sdist").mkdir(parents=True)
     top = f"llama_cpp_python-{serve_peers.LLAMA_CPP_VERSION}"
     files = {f"{top}/vendor/llama.cpp/convert_hf_to_gguf.py": b"# converter", f"{top}/vendor/llama.cpp/gguf-py/gguf/"
-             "__init__.py": b"# gguf", f"{top}/vendor/llama.cpp/src/llama.cpp": b"// not needed"}
+             "__init__.py": b"# gguf", f"{top}/vendor/llama.cpp/conversion/base.py": b"# models",
+             f"{top}/vendor/llama.cpp/src/llama.cpp": b"// not needed"}
     with tarfile.open(env / "sdist" / f"{top}.tar.gz", "w:gz") as tar:
         for name, data in files.items():
             info = tarfile.TarInfo(name)
@@ -40,4 +41,5 @@ def test_converter_unpacked_from_the_sdist_layout(tmp_path):
     out = serve_peers.converter_dir(env)
     assert (out / "convert_hf_to_gguf.py").read_bytes() == b"# converter"
     assert (out / "gguf-py" / "gguf" / "__init__.py").read_bytes() == b"# gguf"
+    assert (out / "conversion" / "base.py").read_bytes() == b"# models"
     assert not (out / "src").exists()
