@@ -328,6 +328,34 @@ def describe_layout(cfg, pc, dtype: torch.dtype = torch.float32) -> Layout:
     return Layout(pc.world_size, tensors)
 
 
+def describe_engine_layout(cfg, tp: int = 1, dp_attention: int = 1, ep: int = 1,
+                           dtype: torch.dtype = torch.float32) -> Layout:
+    """A serving layout over dp_attention · tp ranks: attention, dense MLPs, shared experts, embedding
+    and head split by TP (parallel/tp.py's rules) within each of the dp_attention replicas; routed
+    experts split over `ep` ranks (dividing the world) and replicated over the rest."""
+    from seekforge.model.model import build_model
+
+    world = tp * dp_attention
+    if world % ep:
+        raise ValueError(f"ep={ep} does not divide the engine's dp_attention*tp={world} ranks; pick ep among "
+                         f"the divisors of {world}")
+    meta = build_model(cfg, device="meta")
+    shapes = {name: tuple(t.shape) for name, t in meta.state_dict().items()}
+    buffers = {name for name, _ in meta.named_buffers() if name in shapes}
+    ranks = tuple(range(world))
+    dense = ((dp_attention, tp), ("dp_attention", "tp"))
+    experts = ((world // ep, ep), ("expert_replica", "ep"))
+    tensors = {}
+    for name, shape in shapes.items():
+        if ".experts." in name:
+            placement = Placement(*experts, ranks, ((1, 0),) if ep > 1 else ())
+        else:
+            d = None if name in buffers or tp == 1 else tp_dim(name)
+            placement = Placement(*dense, ranks, ((1, d),) if d is not None else ())
+        tensors[name] = TensorLayout(shape, dtype, [placement])
+    return Layout(world, tensors)
+
+
 def single_device_layout(layout: Layout, rank: int = 0) -> Layout:
     """The same tensors, each whole on `rank` alone (a one-process model)."""
     tensors = {name: dataclasses.replace(t, placements=[Placement((1,), ("replica",), (rank,))])
