@@ -90,24 +90,34 @@ class _SourceIndex:
             for r in ranks:
                 self.by_rank.setdefault(r, []).append(box)
 
-    def overlapping(self, box: Box) -> list[int]:
-        if not self.boxes:
-            return []
+        # Every placement cutting the tensor into the same boxes (replicas of one sharding): the distinct
+        # boxes are then disjoint, and a destination box is covered by its intersections with them.
+        partitions = {frozenset(b for _, b in p.boxes(src.shape) if box_volume(b)) for p in src.placements}
+        self.disjoint = len(partitions) == 1
+
+    def overlaps(self, box: Box) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Ids of the source boxes meeting `box`, and their intersections' (lo, hi) corners (n, ndim)."""
         lo, hi = np.array([b[0] for b in box]), np.array([b[1] for b in box])
-        hit = ((self.starts < hi) & (self.stops > lo)).all(axis=1)
-        return np.flatnonzero(hit).tolist()
+        lo, hi = np.maximum(self.starts, lo), np.minimum(self.stops, hi)
+        ids = np.flatnonzero((lo < hi).all(axis=1))
+        return ids, lo[ids], hi[ids]
 
 
 def _geometry(name: str, box: Box, local: tuple[Box, ...], index: _SourceIndex) -> list[tuple[Box, Box | int]]:
     """(region, source) pairs covering `box` exactly once: a source is one of `local` (a Box: the rank
     copies from itself), or the id of a remote source box, taken by decreasing overlap."""
+    ids, lo, hi = index.overlaps(box)
+    if index.disjoint:  # the intersections tile the box: local ones from the rank itself, the rest remote
+        mine = set(local)
+        regions = [tuple(zip(a, b, strict=True)) for a, b in zip(lo.tolist(), hi.tolist(), strict=True)]
+        return [(region, index.boxes[i] if index.boxes[i] in mine else i) for i, region in zip(ids.tolist(), regions,
+                                                                                               strict=True)]
     out: list[tuple[Box, Box | int]] = []
     remaining = [box]
     for cut in local:
         out += [(r, cut) for b in remaining if (r := intersect(b, cut)) is not None]
         remaining = subtract(remaining, cut)
-    candidates = sorted(index.overlapping(box), key=lambda i: -box_volume(intersect(index.boxes[i], box)))
-    for i in candidates:
+    for i in ids[np.argsort(-(hi - lo).prod(axis=1), kind="stable")].tolist():
         if not remaining:
             break
         source = index.boxes[i]
@@ -136,14 +146,15 @@ def plan_tensor(name: str, src: TensorLayout, dst: TensorLayout, load: dict[int,
             local = tuple(b for b in index.by_rank.get(r, []) if intersect(b, box) is not None)
             key = (box, local)
             if key not in cache:
-                cache[key] = _geometry(name, box, local, index)
-            for region, source in cache[key]:
-                nbytes = box_volume(region) * item
+                cache[key] = [(region, source, box_volume(region) * item)
+                              for region, source in _geometry(name, box, local, index)]
+            for region, source, nbytes in cache[key]:
                 if isinstance(source, tuple):  # a local box of r
                     out.append(Transfer(name, r, r, region, source, box, nbytes))
                     continue
                 holders = index.holders[source]
-                sender = min(holders, key=lambda h: (load.get(h, 0), (h - r) % (max(holders) + 1)))
+                sender = holders[0] if len(holders) == 1 else min(
+                    holders, key=lambda h: (load.get(h, 0), (h - r) % (holders[-1] + 1)))
                 load[sender] = load.get(sender, 0) + nbytes
                 out.append(Transfer(name, sender, r, region, index.boxes[source], box, nbytes))
     return out
