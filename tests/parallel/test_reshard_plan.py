@@ -131,3 +131,21 @@ def test_overlapping_boxes_on_one_destination_rank_are_refused():
                                                                Placement((2,), ("r",), (0, 1), ((0, 0),))])})
     with pytest.raises(ValueError, match="overlapping boxes"):
         plan_reshard(src, dst)
+
+
+@settings(max_examples=30, deadline=None)
+@given(layout_pairs(), st.integers(1, 200))
+def test_rounds_respect_the_memory_cap(pair, cap):
+    """Every remote transfer lands in exactly one round; per round, each rank sends + receives at most
+    `cap` bytes, or takes part in one transfer only (a transfer above the cap)."""
+    from seekforge.parallel.transfer import rounds
+
+    plan = plan_reshard(*pair)
+    out = rounds(plan, cap)
+    assert sorted(t for r in out for t in r) == sorted(t for t in plan if t.remote)
+    for r in out:
+        per_rank: dict[int, list[int]] = {}
+        for t in r:
+            for rank in (t.src_rank, t.dst_rank):
+                per_rank.setdefault(rank, []).append(t.nbytes)
+        assert all(sum(sizes) <= cap or len(sizes) == 1 for sizes in per_rank.values())
