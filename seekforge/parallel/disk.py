@@ -4,7 +4,8 @@ need, straight into its local tensors (parallel/transfer.py's `Shards`: {name: [
   read_hf_shards(path, shards)    HF safetensors (one file or an index of shards): safetensors'
                                   `get_slice` reads just the rows/columns of each stored tensor that
                                   meet a box; per-expert tensors land in their slice of the stacked
-                                  expert weights (model/hf.py's name mapping).
+                                  expert weights (model/hf.py's name mapping); FP8 weights bring
+                                  only the block scales covering the slice.
   read_dcp_shards(path, shards)   a DCP checkpoint (train/checkpoint.py): a DCP LoadPlanner asks for
                                   exactly these boxes; DCP's own resharding picks the stored chunks
                                   that overlap them and reads only those.
@@ -24,7 +25,7 @@ from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from seekforge.config import ModelConfig
-from seekforge.model.hf import FP8_DTYPE, hf_layout, open_shard, shard_files, tensor_files
+from seekforge.model.hf import FP8_BLOCK, hf_layout, open_shard, shard_files, tensor_files
 from seekforge.model.model import build_model
 from seekforge.parallel.layout import Box
 from seekforge.parallel.reshard import intersect
@@ -49,8 +50,8 @@ def _slot_box(index: tuple, shape: tuple[int, ...]) -> tuple[Box, list[int]]:
 
 @torch.no_grad()
 def read_hf_shards(path: str | Path, shards: Shards) -> int:
-    """Fill `shards` from the HF checkpoint at `path`, reading only the needed slices. bf16/fp32
-    checkpoints; an FP8 one loads through model/hf.load_hf on one process."""
+    """Fill `shards` from the HF checkpoint at `path`, reading only the needed slices (bf16, fp32, or
+    official FP8: the slice plus the 128×128-block scales that cover it, dequantized on read)."""
     path = Path(path)
     cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
     model = build_model(cfg, device="meta")  # names and shapes only
@@ -72,9 +73,7 @@ def read_hf_shards(path: str | Path, shards: Shards) -> int:
                 slot = wanted[hf]
                 source_box, kept = _slot_box(slot.index, shapes[slot.target])
                 stored = f.get_slice(hf)
-                if stored.get_dtype() == "F8_E4M3":
-                    raise ValueError(f"{hf} in {file} is FP8 ({FP8_DTYPE}); sliced reads support bf16/fp32 "
-                                     "checkpoints: load it with seekforge.model.hf.load_hf, then reshard")
+                fp8 = stored.get_dtype() == "F8_E4M3"
                 for box, target in shards[slot.target]:
                     region = intersect(box, source_box)
                     if region is None:
@@ -83,8 +82,31 @@ def read_hf_shards(path: str | Path, shards: Shards) -> int:
                                   for d in kept)  # into the stored tensor's own dims
                     value = stored[index]
                     read += value.numel() * value.element_size()
+                    if fp8:
+                        scale = _scale_blocks(hf, file, where, index)
+                        read += scale.numel() * scale.element_size()
+                        value = _dequantize_slice(value, scale, index)
                     _region(target, region, box).copy_(value.reshape([b - a for a, b in region]))
     return read
+
+
+def _scale_blocks(hf: str, file: Path, where: dict[str, Path], index: tuple[slice, ...]) -> torch.Tensor:
+    """The 128×128-block scales (`<name>_scale_inv`) covering rows/cols `index` of an FP8 weight."""
+    name = f"{hf}_scale_inv"
+    if name not in where:
+        raise ValueError(f"FP8 tensor {hf!r} in {file} has no {name!r}; an official FP8 checkpoint stores one "
+                         "per weight: re-download the shard that holds it")
+    blocks = tuple(slice(i.start // FP8_BLOCK, -(-i.stop // FP8_BLOCK)) for i in index)
+    with open_shard(where[name]) as f:
+        return f.get_slice(name)[blocks]
+
+
+def _dequantize_slice(value: torch.Tensor, scale: torch.Tensor, index: tuple[slice, ...]) -> torch.Tensor:
+    """value (rows, cols) fp8 at offsets index[*].start of the weight; scale: the blocks covering it →
+    fp32, w = fp8 · scale_inv of its block (model/hf.dequantize_fp8_block on a slice)."""
+    (r, c) = (i.start % FP8_BLOCK for i in index)  # the slice's offset inside its first block
+    full = scale.float().repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)
+    return value.float() * full[r:r + value.shape[0], c:c + value.shape[1]]
 
 
 # ---------------------------------------------------------------------------------- DCP
