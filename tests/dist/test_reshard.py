@@ -127,6 +127,7 @@ def test_resume_four_rank_training_checkpoint_on_two_rank_engine(tmp_path):
         assert r["held"] <= r["read"] < total
 
 
+@pytest.mark.slow
 def test_hf_safetensors_read_only_own_slices(tmp_path):
     from seekforge.model.hf import save_hf
 
