@@ -37,8 +37,14 @@ import torch
 
 Box = tuple[tuple[int, int], ...]
 
-_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64,
-                                                     torch.float8_e4m3fn, torch.int64, torch.int32, torch.uint8)}
+
+
+def _dtype(name: str) -> torch.dtype:
+    """"bfloat16" → torch.bfloat16 (names as str(dtype) writes them, without "torch.")."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{name!r} is not a torch dtype; the layout file is damaged")
+    return dtype
 
 
 def chunk(start: int, stop: int, parts: int, index: int) -> tuple[int, int]:
@@ -173,7 +179,7 @@ class Layout:
         tensors = {}
         for name, t in data["tensors"].items():
             placements = [Placement(*meshes[p["mesh"]], tuple(tuple(s) for s in p["shards"])) for p in t["placements"]]
-            tensors[name] = TensorLayout(tuple(t["shape"]), _DTYPES[t["dtype"]], placements)
+            tensors[name] = TensorLayout(tuple(t["shape"]), _dtype(t["dtype"]), placements)
         return cls(data["world_size"], tensors)
 
     def save(self, path: str | Path) -> None:
@@ -215,6 +221,8 @@ def named_tensors(modules) -> dict[str, list[torch.Tensor]]:
     out: dict[str, list[torch.Tensor]] = {}
     for module in modules if isinstance(modules, list | tuple) else [modules]:
         for name, t in module.state_dict(keep_vars=True).items():
+            if not isinstance(t, torch.Tensor):  # a module's extra state
+                continue
             out.setdefault(name, [])
             if not any(t is seen for seen in out[name]):
                 out[name].append(t)
@@ -223,12 +231,16 @@ def named_tensors(modules) -> dict[str, list[torch.Tensor]]:
 
 def layout_of_model(modules, group=None) -> Layout:
     """The Layout of a parallelized model (a module, or this rank's pipeline stages) across the
-    process group. Every rank calls it; every rank gets the same Layout."""
+    process group (without one: a single-process model). Every rank calls it; every rank gets the
+    same Layout."""
     import torch.distributed as dist
 
-    rank = dist.get_rank()
+    distributed = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank() if distributed else 0
     mine = {name: [(tuple(t.shape), str(t.dtype).removeprefix("torch."), tensor_placement(t, rank)) for t in ts]
             for name, ts in named_tensors(modules).items()}
+    if not distributed:  # one process: every tensor whole on rank 0
+        return _merge([mine], 1)
     everyone: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
     return _merge(everyone, dist.get_world_size())
@@ -240,7 +252,7 @@ def _merge(per_rank: list[dict], world_size: int) -> Layout:
     for rank, mine in enumerate(per_rank):
         for name, entries in mine.items():
             for shape, dtype, placement in entries:
-                t = tensors.setdefault(name, TensorLayout(shape, _DTYPES[dtype]))
+                t = tensors.setdefault(name, TensorLayout(shape, _dtype(dtype)))
                 if t.shape != shape:
                     raise ValueError(f"{name} has shape {t.shape} on one rank and {shape} on rank {rank}")
                 if placement.mesh_dim_names == ("rank",):

@@ -13,7 +13,7 @@ from dist_launcher import launch
 
 from seekforge.config import ParallelConfig
 from seekforge.model.model import build_model
-from seekforge.parallel.layout import describe_engine_layout, describe_layout, layout_of_model
+from seekforge.parallel.layout import Layout, describe_engine_layout, describe_layout, layout_of_model
 from seekforge.parallel.mesh import build_mesh
 from seekforge.parallel.parallelize import parallelize
 from seekforge.parallel.reshard import lower_bound_bytes
@@ -117,6 +117,9 @@ def test_resume_four_rank_training_checkpoint_on_two_rank_engine(tmp_path):
 
     ckpt = str(tmp_path / "checkpoints")
     trained = launch(run_layout, 4, {}, dict(dp_shard=2, tp=2, ep=2), (0, 1), None, ckpt)[0]["weights"]
+    saved = Layout.load(latest_checkpoint(ckpt) / "layout.json")  # written by save_checkpoint
+    described = describe_layout(model_config(), ParallelConfig(dp_shard=2, tp=2, ep=2))
+    assert saved.world_size == 4 and all(saved.tensors[n].pieces() == t.pieces() for n, t in described.tensors.items())
     results = launch(_read_checkpoint, 2, "dcp", str(latest_checkpoint(ckpt)), dict(tp=2, ep=2))
     full = assemble([r["shards"] for r in results])
     for name, value in trained.items():

@@ -38,3 +38,15 @@ def test_every_element_is_held_and_bytes_add_up():
     assert pp.tensors["layers.0.input_layernorm.weight"].rank_boxes().keys() == {0}
     assert pp.tensors["lm_head.weight"].rank_boxes().keys() == {1}
     assert pp.tensors["lm_head.weight"].dtype == torch.float32
+
+
+def test_checkpoints_carry_their_layout(tmp_path):
+    from seekforge.model.model import build_model
+    from seekforge.train.checkpoint import save_checkpoint
+
+    cfg = preset("tiny")
+    path = save_checkpoint(tmp_path, 1, build_model(cfg, seed=0))
+    layout = Layout.load(path / "layout.json")
+    described = describe_layout(cfg, ParallelConfig())
+    assert layout.world_size == 1
+    assert all(layout.tensors[n].pieces() == t.pieces() for n, t in described.tensors.items())
