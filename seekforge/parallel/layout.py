@@ -26,7 +26,6 @@ Boxes are tuples of (start, stop) per tensor dim: pure integer geometry (paralle
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import json
 import math
@@ -229,7 +228,7 @@ def named_tensors(modules) -> dict[str, list[torch.Tensor]]:
     return out
 
 
-def layout_of_model(modules, group=None) -> Layout:
+def layout_of_model(modules) -> Layout:
     """The Layout of a parallelized model (a module, or this rank's pipeline stages) across the
     process group (without one: a single-process model). Every rank calls it; every rank gets the
     same Layout."""
@@ -241,8 +240,8 @@ def layout_of_model(modules, group=None) -> Layout:
             for name, ts in named_tensors(modules).items()}
     if not distributed:  # one process: every tensor whole on rank 0
         return _merge([mine], 1)
-    everyone: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
     return _merge(everyone, dist.get_world_size())
 
 
@@ -366,10 +365,3 @@ def describe_engine_layout(cfg, tp: int = 1, dp_attention: int = 1, ep: int = 1,
             placement = Placement(*dense, ranks, ((1, d),) if d is not None else ())
         tensors[name] = TensorLayout(shape, dtype, [placement])
     return Layout(world, tensors)
-
-
-def single_device_layout(layout: Layout, rank: int = 0) -> Layout:
-    """The same tensors, each whole on `rank` alone (a one-process model)."""
-    tensors = {name: dataclasses.replace(t, placements=[Placement((1,), ("replica",), (rank,))])
-               for name, t in layout.tensors.items()}
-    return Layout(rank + 1, tensors)

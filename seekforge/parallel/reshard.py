@@ -13,7 +13,9 @@ Per tensor and per destination (rank r, box B):
   3. a region held by several ranks (replicas) comes from the least-loaded holder so far, so reads
      spread over replicas.
 Steps 1–2 depend only on (B, r's boxes ∩ B); ranks that share them (replicas of one shard) reuse the
-geometry, which keeps a 2048-rank plan to seconds of work per thousand tensors.
+geometry, and when every source copy cuts the tensor the same way the regions are the box's
+intersections with the source boxes, found in one vectorized test. A v3-671b plan from 2048 training
+ranks to 256 serving ranks (2.5M transfers) takes about two minutes (BENCHMARKS.md).
 
 A destination rank may hold several boxes of one tensor (a pipeline rank with two stages holds the
 embedding twice) but not two different boxes that overlap: `check_destination` refuses that.
