@@ -1,6 +1,7 @@
 """The Layout read from real parallelized models (DTensor placements incl. FSDP's strided shards over
 TP/EP, HSDP replicas, V-schedule pipeline stages) equals the described one, and every rank's local
-data is exactly the single-device tensor's box the layout names."""
+data is exactly the single-device tensor's box the layout names — for a parallelized built model and
+for the any-size build (parallel/materialize.build_sharded, same seed as its one-device build)."""
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from dist_launcher import launch
 from seekforge.config import ParallelConfig
 from seekforge.model.model import build_model
 from seekforge.parallel.layout import describe_layout, layout_of_model
+from seekforge.parallel.materialize import build_sharded
 from seekforge.parallel.mesh import build_mesh
 from seekforge.parallel.parallelize import parallelize
 from seekforge.parallel.transfer import shards_of
@@ -21,6 +23,7 @@ LAYERS = 4  # a V schedule over pp=2 needs 4 stages
 def _check_layouts(layouts: list[dict]):
     cfg = model_config(num_hidden_layers=LAYERS)
     reference = build_model(cfg, seed=0).state_dict()
+    seeded = build_sharded(cfg, ParallelConfig(), None, seed=7)[0].state_dict()
     out = []
     for kwargs in layouts:
         pc = ParallelConfig(**kwargs)
@@ -39,7 +42,11 @@ def _check_layouts(layouts: list[dict]):
                       for name, pieces in shards_of(model).items() for box, t in pieces)
         mine = set((n, b) for n, ps in shards_of(model).items() for b, t in ps if t.numel())
         in_layout = all(b in layout.tensors[n].rank_boxes().get(dist.get_rank(), []) for n, b in mine)
-        out.append((str(kwargs), same, data_ok, in_layout))
+        # The any-size build (meta → parallelize → this rank's shards only) draws the single-device values.
+        built = build_sharded(cfg, pc, build_mesh(pc, cfg), seed=7)
+        seeded_ok = all(torch.equal(t, seeded[name][tuple(slice(a, b) for a, b in box)])
+                        for name, pieces in shards_of(built).items() for box, t in pieces)
+        out.append((str(kwargs), same, data_ok and seeded_ok, in_layout))
     return out
 
 

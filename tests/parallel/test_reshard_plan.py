@@ -61,7 +61,7 @@ def _mask(box, shape, boxes):
     return covered
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(layout_pairs())
 def test_plan_reassembles_exactly_with_the_fewest_bytes(pair):
     src, dst = pair
