@@ -28,9 +28,10 @@ from seekforge.model.model import Transformer
 from seekforge.serve.block_manager import BlockManager
 from seekforge.serve.detokenizer import IncrementalDetokenizer
 from seekforge.serve.runner import Runner, num_kv_blocks
-from seekforge.serve.sampling import sample
+from seekforge.serve.sampling import sample, token_logprobs
 from seekforge.serve.scheduler import Scheduler
 from seekforge.serve.sequence import SamplingParams, Sequence
+from seekforge.serve.structured import GrammarCompiler
 
 log = logging.getLogger("seekforge.serve")
 
@@ -53,6 +54,9 @@ class RequestOutput:
     num_cached_tokens: int  # prompt tokens served by the prefix cache
     ttft: float | None = None  # seconds from arrival to the first token (first completion)
     tpot: float | None = None  # seconds per output token after the first (finished requests)
+    # with SamplingParams.prompt_logprobs: per prompt token as CompletionOutput.logprobs (+ "rank");
+    # the first token's is None (nothing predicts it)
+    prompt_logprobs: list[dict | None] | None = None
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
@@ -89,6 +93,7 @@ class LLMEngine:
         self.runner = Runner(model, config, num_blocks)
         self.capacity = num_blocks * config.block_size
         self.eos_token_id = tokenizer.eos_token_id
+        self.grammars = GrammarCompiler(tokenizer, cfg.vocab_size)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.num_steps = 0
@@ -130,6 +135,9 @@ class LLMEngine:
         request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         seqs = [Sequence(request_id, i, prompt_ids, params, max_tokens, self.eos_token_id, cache_salt)
                 for i in range(params.n)]
+        if params.structured is not None:
+            for seq in seqs:  # matcher state is per sequence: each of the n completions advances its own
+                seq.matcher = self.grammars.matcher(params.structured)
         return Request(request_id, prompt_ids, seqs, [IncrementalDetokenizer(self.tokenizer, params.stop)
                                                       for _ in seqs])
 
@@ -169,7 +177,11 @@ class LLMEngine:
         if not batch.seqs:
             assert not self.scheduler.running, "scheduled nothing while sequences run"
             return []
-        logits, sample_seqs = self.runner.run(batch)
+        logits, sample_seqs, prompt_logits = self.runner.run(batch)
+        for seq, rows in prompt_logits:
+            first = len(seq.prompt_logprobs)
+            seq.prompt_logprobs.extend(token_logprobs(rows, seq.token_ids[first:first + len(rows)],
+                                                      seq.params.prompt_logprobs))
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             seq.num_computed_tokens += n
             self.block_manager.cache_full_blocks(seq)
@@ -178,6 +190,8 @@ class LLMEngine:
         touched: dict[str, Request] = {}
         for seq, token_id, info in zip(sample_seqs, token_ids, infos, strict=True):
             seq.token_ids.append(token_id)
+            if seq.matcher is not None:
+                seq.matcher.consume_token(token_id)  # the mask allowed it, so the grammar accepts it
             if seq.first_token_time is None:
                 seq.first_token_time = now
             if info is not None:
@@ -206,6 +220,8 @@ class LLMEngine:
             return "stop"
         if detokenizer.add(token_id, check_stop=past_min_tokens):
             return "stop"  # a stop string completed; the text ends just before it
+        if seq.matcher is not None and seq.matcher.is_stopped():
+            return "stop"  # the structured output is complete: the grammar allows nothing more
         if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
@@ -228,8 +244,9 @@ class LLMEngine:
             decode_times = [(s.finish_time - s.first_token_time) / (s.num_output_tokens - 1)
                             for s in seqs if s.finish_time and s.first_token_time and s.num_output_tokens > 1]
             tpot = sum(decode_times) / len(decode_times) if decode_times else None
+        prompt_logprobs = list(seqs[0].prompt_logprobs) if seqs[0].params.prompt_logprobs is not None else None
         return RequestOutput(request.request_id, request.prompt_token_ids, outputs, finished,
-                             seqs[0].num_cached_tokens, ttft, tpot)
+                             seqs[0].num_cached_tokens, ttft, tpot, prompt_logprobs)
 
     def stats(self) -> dict:
         bm = self.block_manager

@@ -3,7 +3,8 @@
 It owns the model and the per-layer paged latent caches, turns the scheduler's (sequence, number of
 new tokens) pairs into one flat batch plus `AttentionMetadata`, runs the model, and returns logits
 only for the sequences whose chunk reaches their last known token (those sample a token this step;
-a sequence in the middle of a chunked prefill does not).
+a sequence in the middle of a chunked prefill does not). A sequence that asked for prompt logprobs
+also gets the logits of its chunk's rows that predict a prompt token.
 """
 
 from __future__ import annotations
@@ -51,12 +52,19 @@ class Runner:
         order = decodes + prefills
         bs = self.block_size
         input_ids, starts, tables, sample_rows, sample_seqs = [], [], [], [], []
+        prompt_rows: list[tuple[Sequence, range]] = []  # flat rows predicting prompt tokens still unscored
         flat = 0
         for seq, n in order:
             start = seq.num_computed_tokens
             input_ids.extend(seq.token_ids[start:start + n])
             starts.append(start)
             tables.append(seq.block_table)
+            if seq.params.prompt_logprobs is not None:
+                # row start+i predicts token start+i+1; a recompute after preemption skips scored ones
+                first = max(start + 1, len(seq.prompt_logprobs))
+                last = min(start + n + 1, seq.num_prompt_tokens)  # exclusive: targets are prompt tokens
+                if first < last:
+                    prompt_rows.append((seq, range(flat + first - 1 - start, flat + last - 1 - start)))
             flat += n
             if start + n == seq.num_tokens:
                 sample_rows.append(flat - 1)
@@ -92,17 +100,21 @@ class Runner:
                            .tril(seq.num_computed_tokens) for seq, n in prefills],
         )
         ids = torch.tensor([input_ids], dtype=torch.long, device=to)
-        return ids, pos.to(to), metadata, torch.tensor(sample_rows, device=to), sample_seqs
+        return ids, pos.to(to), metadata, torch.tensor(sample_rows, device=to), sample_seqs, prompt_rows
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
-        """→ logits (N, V) fp32 for the N sequences that sample this step, and those sequences."""
-        ids, positions, metadata, sample_rows, sample_seqs = self.prepare(batch)
+    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence], list[tuple[Sequence, torch.Tensor]]]:
+        """→ logits (N, V) fp32 for the N sequences that sample this step, those sequences, and for each
+        sequence wanting prompt logprobs the fp32 logits (R, V) of the rows that predict its next R
+        prompt tokens (the first is its token number len(seq.prompt_logprobs))."""
+        ids, positions, metadata, sample_rows, sample_seqs, prompt_rows = self.prepare(batch)
         for cache in self.caches:
             cache.metadata = metadata
         model = self.model
         hidden, _, _ = model.hidden(ids, positions=positions, kv_caches=self.caches)  # (1, T, H)
+        prompt_logits = [(seq, model.lm_head(model.norm(hidden[0, rows.start:rows.stop])).float())
+                         for seq, rows in prompt_rows]
         if not sample_seqs:
-            return hidden.new_empty(0, model.cfg.vocab_size).float(), []
+            return hidden.new_empty(0, model.cfg.vocab_size).float(), [], prompt_logits
         last = hidden[0, sample_rows]  # only the sampled rows reach the head
-        return model.lm_head(model.norm(last)).float(), sample_seqs
+        return model.lm_head(model.norm(last)).float(), sample_seqs, prompt_logits

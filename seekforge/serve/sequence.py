@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from seekforge.serve.structured import StructuredOutput
+
 
 @dataclass
 class SamplingParams:
@@ -35,6 +37,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k >= 0: the chosen token's logprob and the top k
+    prompt_logprobs: int | None = None  # vLLM: None off; k >= 0: each prompt token's logprob and the top k
+    structured: StructuredOutput | None = None  # a grammar the output must follow (structured.py)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -64,8 +68,9 @@ class SamplingParams:
         for key in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, key) <= 2:
                 bad(key, "must be in [-2, 2]")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            bad("logprobs", "must be in [0, 20]")
+        for key in ("logprobs", "prompt_logprobs"):
+            if getattr(self, key) is not None and not 0 <= getattr(self, key) <= 20:
+                bad(key, "must be in [0, 20]")
 
     @property
     def greedy(self) -> bool:
@@ -108,7 +113,10 @@ class Sequence:
         self.generator = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed + index)
+        self.matcher = None  # with params.structured: this sequence's llguidance matcher (set by the engine)
         self.logprobs: list[dict] = []  # per output token: {"token_id", "logprob", "top": [(id, logprob)]}
+        # per prompt token, as logprobs (+ "rank"), once computed; the first token has none (None)
+        self.prompt_logprobs: list[dict | None] = [None] if params.prompt_logprobs is not None else []
         self.finish_reason: str | None = None
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
