@@ -203,7 +203,9 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         if use_tools and req.tool_choice not in (None, "auto"):  # required / named: the format is enforced
             if params.structured is not None:
                 raise APIError("tool_choice required or named cannot be combined with response_format / guided_*")
-            params.structured = StructuredOutput(grammar=tool_call_grammar(callable_tools))
+            # a named function is called once; "required" calls several if parallel_tool_calls (OpenAI)
+            parallel = req.tool_choice == "required" and req.parallel_tool_calls
+            params.structured = StructuredOutput(grammar=tool_call_grammar(callable_tools, parallel))
         streams = [engine.generate(prompt_ids, params, cache_salt=req.cache_salt)]
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         tool_streams: dict[int, ToolCallStream] = {}

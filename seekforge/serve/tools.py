@@ -39,7 +39,7 @@ def format_tool_calls(calls: list[dict]) -> str:
 def tool_system_prompt(tools: list[dict]) -> str:
     """DeepSeek-V3's template renders no tool list, so (as SGLang's DeepSeek-V3 tool template does) the
     tools and the call format go into the system prompt."""
-    specs = "\n".join(json.dumps(t.get("function", t), ensure_ascii=False) for t in tools)
+    specs = "\n".join(json.dumps(t["function"], ensure_ascii=False, separators=(",", ":")) for t in tools)
     example = format_tool_calls([{"type": "function", "function": {"name": "NAME", "arguments": '{"ARG": "VALUE"}'}}])
     return (f"## Tools\nYou can call these functions:\n{specs}\n\nTo call functions, answer only with:\n{example}\n"
             "(several calls go one after another inside the same begin/end markers).")
@@ -103,9 +103,9 @@ def check_tools(tools: list[dict] | None, tool_choice) -> list[dict]:
     return chosen
 
 
-def tool_call_grammar(tools: list[dict]) -> str:
-    """A Lark grammar (llguidance's dialect) for one or more calls of these tools in DeepSeek's format,
-    each call's arguments following its function's JSON schema (compact)."""
+def tool_call_grammar(tools: list[dict], parallel: bool) -> str:
+    """A Lark grammar (llguidance's dialect) for one call (or with `parallel` one or more) of these
+    tools in DeepSeek's format, each call's arguments following its function's JSON schema (compact)."""
     rules, alternatives = [], []
     for i, t in enumerate(tools):
         fn = t["function"]
@@ -113,7 +113,8 @@ def tool_call_grammar(tools: list[dict]) -> str:
         rules.append(f"call_{i}: {json.dumps(CALL_BEGIN + 'function' + SEP + fn['name'] + ARGS_BEGIN)} "
                      f"args_{i} {json.dumps(ARGS_END)}\nargs_{i}: %json {json.dumps(schema)}")
         alternatives.append(f"call_{i}")
-    return "\n".join([f"start: {json.dumps(CALLS_BEGIN)} call (\"\\n\" call)* {json.dumps(CALLS_END)}",
+    more = ' ("\\n" call)*' if parallel else ""
+    return "\n".join([f"start: {json.dumps(CALLS_BEGIN)} call{more} {json.dumps(CALLS_END)}",
                       "call: " + " | ".join(alternatives), *rules])
 
 

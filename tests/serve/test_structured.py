@@ -18,7 +18,8 @@ SCHEMAS = [
                                       "age": {"type": "integer", "minimum": 0, "maximum": 120}},
      "required": ["name", "age"], "additionalProperties": False},
     {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
-                                      "ok": {"type": "boolean"}}, "required": ["tags", "ok"], "additionalProperties": False},
+                                      "ok": {"type": "boolean"}},
+     "required": ["tags", "ok"], "additionalProperties": False},
     {"type": "object", "properties": {"point": {"type": "object", "properties": {
         "x": {"type": "number", "minimum": -10, "maximum": 10}, "y": {"type": "integer", "minimum": 0, "maximum": 9}},
         "required": ["x", "y"], "additionalProperties": False}, "label": {"enum": ["p", "q", None]}},
