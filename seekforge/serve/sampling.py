@@ -75,7 +75,8 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[
         logits = logits.clone() if logits is raw else logits
         logits[constrained] = logits[constrained].masked_fill(~allowed, float("-inf"))
     for i, seq in enumerate(seqs):
-        if seq.num_output_tokens < seq.params.min_tokens and seq.stop_token_ids:
+        # (not under a grammar: where it allows only EOS, masking EOS would leave nothing to sample)
+        if seq.num_output_tokens < seq.params.min_tokens and seq.stop_token_ids and seq.matcher is None:
             if logits is raw:
                 logits = logits.clone()
             logits[i, list(seq.stop_token_ids)] = float("-inf")
