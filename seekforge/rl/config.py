@@ -51,6 +51,7 @@ class GRPOConfig:
     max_pack_tokens: int = 1024
     max_pack_count: int = 64
     swap: bool = True  # free the engine's KV pool during training; offload reference / optimizer state
+    fsdp: bool = True  # under torchrun: FSDP-shard the policy and its optimizer state (False: full replicas)
     kv_cache_memory: str = "64MiB"
     eval_prompts: int = 200  # held-out prompts, greedy; 0 disables
     eval_interval: int = 20

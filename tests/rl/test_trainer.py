@@ -100,26 +100,32 @@ def test_bad_config_fails_with_one_message():
             GRPOConfig(**overrides)
 
 
-def _two_rank_run(out_dir: str):
+def _two_rank_run(out_dir: str, fsdp: bool):
     import torch.distributed as dist
 
-    cfg = small_config(None, out_dir=out_dir, steps=2, eval_interval=1, save_interval=0, beta=0.05)
+    from seekforge.model.dtensor import plain_tensor
+
+    cfg = small_config(None, out_dir=out_dir, steps=2, eval_interval=1, save_interval=2, beta=0.05, fsdp=fsdp)
     trainer = make_trainer(cfg)
     history = trainer.fit(progress=False)
-    weights = {k: v.clone() for k, v in trainer.policy.state_dict().items()}
-    return history, weights if dist.get_rank() == 0 else None
+    weights = {k: plain_tensor(v).clone() for k, v in trainer.policy.state_dict().items()}
+    engine = {k: v.clone() for k, v in trainer.engine_model.state_dict().items()}
+    return history, weights if dist.get_rank() == 0 else None, engine
 
 
-@pytest.mark.slow  # ~17 s: two spawned ranks, two full iterations each
-def test_two_gloo_ranks_match_one_process(tmp_path):
+@pytest.mark.slow  # ~20 s each: two spawned ranks, two full iterations each
+@pytest.mark.parametrize("fsdp", [True, False])
+def test_two_gloo_ranks_match_one_process(tmp_path, fsdp):
     """Each rank rolls out its balanced share of the prompts on its own engine; groups, rewards and
-    advantages are whole; the summed gradients reproduce the one-process run."""
+    advantages are whole; the summed gradients reproduce the one-process run, with the policy and its
+    optimizer state FSDP-sharded (the engines' replicas refreshed from the shards) or replicated."""
     from tests.dist.dist_launcher import launch
 
     single = make_trainer(small_config(None, out_dir=str(tmp_path / "one"), steps=2, eval_interval=1,
                                        save_interval=0, beta=0.05))
     expected = single.fit(progress=False)
-    (history, weights), _ = launch(_two_rank_run, 2, str(tmp_path / "two"))
+    results = launch(_two_rank_run, 2, str(tmp_path / "two"), fsdp)
+    history, weights, _ = results[0]
     for a, b in zip(expected, history, strict=True):
         for key in ("reward_mean", "reward_std", "response_length", "eval_accuracy", "zero_std_groups"):
             assert a[key] == b[key], key
@@ -127,6 +133,8 @@ def test_two_gloo_ranks_match_one_process(tmp_path):
             assert abs(a[key] - b[key]) <= 1e-6 * max(1.0, abs(a[key])), key
     for name, value in single.policy.state_dict().items():
         torch.testing.assert_close(weights[name], value, rtol=0, atol=1e-5, msg=name)
+        for _, _, engine in results:  # every rank's engine generates with the updated weights
+            torch.testing.assert_close(engine[name], value, rtol=0, atol=1e-5, msg=name)
 
 
 def test_probe_monitors_the_training_pass_and_times_each_phase(tmp_path):
