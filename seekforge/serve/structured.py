@@ -19,7 +19,6 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 import llguidance
-import llguidance.torch
 import torch
 
 _COMPACT = {"whitespace_flexible": False}
@@ -107,8 +106,8 @@ class GrammarCompiler:
 
 def allowed_tokens(matchers: list[llguidance.LLMatcher], vocab_size: int) -> torch.Tensor:
     """→ (M, V) bool: which tokens each matcher allows next."""
-    bitmask = llguidance.torch.allocate_token_bitmask(len(matchers), vocab_size)  # (M, ceil(V/32)) int32
-    for i, matcher in enumerate(matchers):
-        llguidance.torch.fill_next_token_bitmask(matcher, bitmask, i)
+    # llguidance.torch is not used: importing it runs a torch.compile decorator (loads dynamo)
+    bitmask = torch.stack([torch.frombuffer(bytearray(m.compute_bitmask()), dtype=torch.int32)
+                           for m in matchers])  # (M, ceil(V/32)): bit j of word w is token 32 w + j
     bits = (bitmask[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1  # (M, W, 32): bit j of word w
     return bits.reshape(len(matchers), -1)[:, :vocab_size].bool()  # token id = 32 w + j
