@@ -138,7 +138,8 @@ class LLMEngine:
         if params.structured is not None:
             for seq in seqs:  # matcher state is per sequence: each of the n completions advances its own
                 seq.matcher = self.grammars.matcher(params.structured)
-        return Request(request_id, prompt_ids, seqs, [IncrementalDetokenizer(self.tokenizer, params.stop)
+        return Request(request_id, prompt_ids, seqs, [IncrementalDetokenizer(self.tokenizer, params.stop,
+                                                                             params.skip_special_tokens)
                                                       for _ in seqs])
 
     def add(self, request: Request) -> str:

@@ -3,7 +3,7 @@
 Fields OpenAI defines but seekforge does not implement are accepted only at their "off" value, so a
 request never silently gets behaviour it did not ask for; anything else is a 400 naming the field.
 vLLM's extra fields (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids,
-cache_salt, prompt_logprobs, guided_json / guided_regex / guided_choice / guided_grammar,
+cache_salt, skip_special_tokens, prompt_logprobs, guided_json / guided_regex / guided_choice / guided_grammar,
 structured_outputs) are accepted too, as `extra_body` in the openai client.
 """
 
@@ -45,6 +45,7 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     cache_salt: str | None = None
+    skip_special_tokens: bool = True
     prompt_logprobs: int | None = None
     response_format: dict | None = None
     guided_json: dict | str | None = None
@@ -90,7 +91,8 @@ class _Sampling(BaseModel):
             frequency_penalty=self.frequency_penalty, seed=self.seed,
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
             stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos, logprobs=logprobs,
-            prompt_logprobs=self.prompt_logprobs, structured=self.structured())
+            prompt_logprobs=self.prompt_logprobs, structured=self.structured(),
+            skip_special_tokens=self.skip_special_tokens)
 
 
 class CompletionRequest(_Sampling):

@@ -39,6 +39,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: off; k >= 0: the chosen token's logprob and the top k
     prompt_logprobs: int | None = None  # vLLM: None off; k >= 0: each prompt token's logprob and the top k
     structured: StructuredOutput | None = None  # a grammar the output must follow (structured.py)
+    skip_special_tokens: bool = True  # vLLM: leave special tokens out of the text
 
     def __post_init__(self):
         if isinstance(self.stop, str):

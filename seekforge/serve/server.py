@@ -200,6 +200,8 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         prompt_ids = chat_prompt_ids(tokenizer, messages, req.add_generation_prompt)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = req.sampling_params(req.max_new_tokens, logprobs)
+        if use_tools:  # the call markers are special tokens in DeepSeek's tokenizer: keep them to parse
+            params.skip_special_tokens = False
         if use_tools and req.tool_choice not in (None, "auto"):  # required / named: the format is enforced
             if params.structured is not None:
                 raise APIError("tool_choice required or named cannot be combined with response_format / guided_*")
