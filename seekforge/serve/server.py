@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from seekforge.probe.trace import OnDemandTracer, StepTimer
 from seekforge.serve.engine import AsyncEngine, RequestOutput, chat_prompt_ids
@@ -67,6 +68,13 @@ def _validation_message(exc: RequestValidationError) -> str:
     return "; ".join(parts) or "invalid request"
 
 
+def _validation_param(exc: RequestValidationError) -> str | None:
+    """The first offending field, as OpenAI's `param` names it (None for a body that is not JSON)."""
+    errors = exc.errors()
+    where = [str(x) for x in errors[0].get("loc", ()) if x != "body"] if errors else []
+    return ".".join(where) or None
+
+
 def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
               trace_dir: str = "traces") -> FastAPI:
     app = FastAPI(title="seekforge")
@@ -84,7 +92,14 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_, exc: RequestValidationError):
-        return APIError(_validation_message(exc)).response()
+        return APIError(_validation_message(exc), param=_validation_param(exc)).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        # an unknown route or method: OpenAI's error shape ("Invalid URL (POST /v1/x)"), not FastAPI's
+        message = f"Invalid URL ({request.method} {request.url.path})" if exc.status_code in (404, 405) \
+            else str(exc.detail)
+        return APIError(message, exc.status_code).response()
 
     @app.exception_handler(ValueError)
     async def _value_error(_, exc: ValueError):

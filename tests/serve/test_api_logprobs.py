@@ -165,3 +165,19 @@ def test_lm_eval_local_completions_equals_hf_backend(server, export_dir, tmp_pat
     reference = run_lm_eval("hf", f"pretrained={export_dir},dtype=float32,device=cpu,batch_size=1", tmp_path)
     assert [len(s) for s in served] == [len(d["choices"]) for d in MC_DOCS]
     torch.testing.assert_close(torch.tensor(sum(served, [])), torch.tensor(sum(reference, [])), atol=1e-4, rtol=0)
+
+
+def test_error_shapes_as_openai(server):
+    base = server.base_url
+    r = httpx.post(base + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": "many"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(base + "/v1/nothing", json={})
+    assert r.status_code == 404 and r.json()["error"]["message"] == "Invalid URL (POST /v1/nothing)"
+    r = httpx.get(base + "/v1/completions")
+    assert r.status_code == 405 and "error" in r.json()
+    r = httpx.post(base + "/v1/chat/completions",
+                   json={"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 404 and r.json()["error"] == {
+        "message": r.json()["error"]["message"], "type": "invalid_request_error", "param": "model",
+        "code": "model_not_found"}
