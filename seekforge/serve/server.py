@@ -177,21 +177,22 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         streams = [engine.generate(p, params, cache_salt=req.cache_salt) for p in req.prompts()]
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         echo_only = req.max_tokens == 0  # score the prompt: show it, not the one token the engine ran
-        echoed: set[int] = set()  # streaming: choices whose prompt went out (in their first chunk)
+        started: set[int] = set()  # choices whose first chunk went out (streaming: it alone has the prompt)
 
         def choice(i: int, out: RequestOutput, text: str, logprob_entries, finish_reason):
+            first = i not in started
+            started.add(i)
             if echo_only:
                 text, logprob_entries = "", [] if logprob_entries is not None else None
                 finish_reason = finish_reason and "length"
-            if req.echo and i not in echoed:
-                echoed.add(i)
+            if req.echo and first:
                 text = tokenizer.decode(out.prompt_token_ids) + text
                 if logprob_entries is not None:
                     logprob_entries = _prompt_entries(out) + logprob_entries
             body = {"index": i, "text": text, "finish_reason": finish_reason,
                     "logprobs": _completion_logprobs(tokenizer, logprob_entries) if logprob_entries is not None
                     else None}
-            if req.prompt_logprobs is not None and out.prompt_logprobs is not None:
+            if req.prompt_logprobs is not None and first:
                 body["prompt_logprobs"] = _vllm_prompt_logprobs(tokenizer, out)
             return body
 

@@ -101,6 +101,12 @@ def test_echo_with_generation_and_prompt_logprobs_extension(server):
     assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
     streamed = [x for c in chunks if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.token_logprobs]
     assert streamed == pytest.approx(choice.logprobs.token_logprobs)
+    stream = list(client.completions.create(model="tiny", prompt="abcdefgh", max_tokens=3, temperature=0, stream=True,
+                                            extra_body={"ignore_eos": True, "prompt_logprobs": 0}))
+    with_prompt = [c.choices[0].model_extra.get("prompt_logprobs") for c in stream if c.choices]
+    assert not any(with_prompt[1:])  # only in the first chunk, as vLLM; k=0: just the prompt token
+    assert [e and list(e) for e in with_prompt[0]] == [None, *[[str(b)] for b in b"bcdefgh"]]
+    assert with_prompt[0][1] == {"98": prompt_logprobs[1]["98"]}
 
 
 def test_tokenize_and_detokenize_as_vllm(server):
