@@ -17,6 +17,7 @@ checkpoint, rebuilt from it on resume.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import random
@@ -30,6 +31,7 @@ from tqdm import tqdm
 from seekforge.config import EngineConfig, TrainConfig
 from seekforge.data.corpora import ArithmeticTask, check_answer
 from seekforge.model.dtensor import plain_tensor
+from seekforge.model.precision import resolve_dtype
 from seekforge.parallel.fsdp import apply_fsdp
 from seekforge.probe.training import TrainingProbe
 from seekforge.rl.algorithm import BatchTotals, group_advantages
@@ -86,6 +88,12 @@ def encode_prompt(tokenizer, prompt: str) -> list[int]:
     return [tokenizer.eos_token_id, *tokenizer.encode(prompt)]
 
 
+# Below this width, bf16 autocast is slower than fp32 even on CPUs with native bf16 matmuls: the built-in
+# base (hidden 128) took 3.3 s of CPU per iteration in bf16 against 1.3 s in fp32 (AVX512-BF16, one
+# thread), while the `small` preset (hidden 512) runs faster in bf16 (BENCHMARKS.md, GRPO).
+_MIN_BF16_HIDDEN = 256
+
+
 class GRPOTrainer:
     def __init__(self, cfg: GRPOConfig, policy, tokenizer, reference=None, out_dir: str | Path | None = None):
         """policy: the Transformer to train (the engine runs on this very module); reference: a frozen
@@ -98,11 +106,19 @@ class GRPOTrainer:
         # GRPO trains the next-token head only: MTP modules get no gradient, so they are not trained
         # (and the optimizer keeps no state for them, which a checkpoint's optimizer state must match).
         policy.mtp.requires_grad_(False)
-        # Under torchrun with FSDP the policy's weights and optimizer state are sharded; the engine
-        # generates on a full replica, refreshed from the shards after every update (no file).
+        # The compute dtype: bf16 autocast over the fp32 master weights where the hardware runs bf16
+        # matmuls natively (model/precision.py). The engine generates on the policy's own tensors when
+        # it can; on a replica in the compute dtype (bf16) or when the policy is FSDP-sharded (under
+        # torchrun), refreshed in place from the policy after every update (no file).
+        self.compute_dtype, self.dtype_reason = resolve_dtype(cfg.dtype, self.device)
+        if cfg.dtype == "auto" and self.compute_dtype != torch.float32 and policy.cfg.hidden_size < _MIN_BF16_HIDDEN:
+            self.compute_dtype = torch.float32
+            self.dtype_reason = (f"fp32 (auto: hidden_size {policy.cfg.hidden_size} < {_MIN_BF16_HIDDEN}, where "
+                                 f"autocast's casts cost more than bf16 matmuls save; --dtype bf16 to force)")
         self.engine_model = policy
+        if (_distributed() and cfg.fsdp) or self.compute_dtype != policy.embed_tokens.weight.dtype:
+            self.engine_model = copy.deepcopy(policy).requires_grad_(False).to(self.compute_dtype)
         if _distributed() and cfg.fsdp:
-            self.engine_model = copy.deepcopy(policy).requires_grad_(False)
             shard_policy(policy)
         schedule = TrainConfig(preset="tiny", lr=cfg.lr, min_lr=cfg.lr, warmup=cfg.warmup, steps=cfg.steps * cfg.mu,
                                weight_decay=cfg.weight_decay, betas=(0.9, 0.99))  # constant after warmup
@@ -138,13 +154,19 @@ class GRPOTrainer:
 
     def _weights_updated(self) -> None:
         """The engine serves the policy's current weights: shared tensors already are (only the prefix
-        cache goes); an FSDP policy's shards are gathered into the engine's replica in place."""
+        cache goes); a replica gets them copied in place (an FSDP policy's shards gathered, cast to
+        the replica's dtype)."""
         if self.engine_model is not self.policy:
             with torch.no_grad():
                 replica = dict(self.engine_model.named_parameters())
                 for name, param in self.policy.named_parameters():
                     replica[name].copy_(plain_tensor(param))
         self.rollout.weights_updated()
+
+    def _autocast(self):
+        if self.compute_dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
 
     def _park(self, module_or_optimizer) -> None:
         """Off the compute device while idle (on CPU there is nowhere else to go)."""
@@ -196,11 +218,13 @@ class GRPOTrainer:
         if self.engine_model is not self.policy:  # FSDP: every rank runs as many forwards (collectives)
             rows += [empty_row()] * (_max_over_ranks(len(rows)) - len(rows))
         lengths = [len(c) for c in completions]
-        old = sequence_log_probs(self.policy, rows, len(seqs)) if cfg.mu > 1 else None
+        with self._autocast():
+            old = sequence_log_probs(self.policy, rows, len(seqs)) if cfg.mu > 1 else None
         ref = None
         if cfg.beta > 0:
             self._unpark(self.reference)
-            ref = sequence_log_probs(self.reference, rows, len(seqs))
+            with self._autocast():
+                ref = sequence_log_probs(self.reference, rows, len(seqs))
             self._park(self.reference)
         batch = TrainingBatch([lengths[i] for i in seqs], advantages[seqs], old, ref)
         totals = BatchTotals(len(completions), sum(lengths), cfg.max_new_tokens)
@@ -208,7 +232,8 @@ class GRPOTrainer:
         self.policy.train()
         self.probe.mark("rewards")  # rewards, advantages, packing, old and reference log-probs
         for update in range(cfg.mu):
-            sums = accumulate_gradients(self.policy, rows, batch, totals, self.loss_settings)
+            with self._autocast():
+                sums = accumulate_gradients(self.policy, rows, batch, totals, self.loss_settings)
             if self.engine_model is self.policy:  # FSDP's reduce-scatter already summed them
                 _sum_gradients_over_ranks(self.policy)
             grad_norm = clip_grad_norm(list(self.policy.parameters()), cfg.clip_grad or math.inf)

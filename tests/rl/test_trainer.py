@@ -33,7 +33,7 @@ def varied_reward(prompt, completion, **meta):
 def small_config(tmp_path, **overrides):
     """tmp_path None: the caller gives out_dir."""
     base = dict(rewards=[f"{__name__}:digit_reward"], steps=4, prompts_per_step=3, group_size=4, max_new_tokens=6,
-                lr=3e-3, eval_prompts=8, eval_interval=2, save_interval=2, kv_cache_memory="4MiB",
+                lr=3e-3, eval_prompts=8, eval_interval=2, save_interval=2, kv_cache_memory="4MiB", dtype="fp32",
                 out_dir=str(tmp_path / "run") if tmp_path else "")
     base.update(overrides)
     return GRPOConfig(**base)
@@ -58,9 +58,13 @@ def greedy(engine, prompts):
     return [done[i] for i in range(len(prompts))]
 
 
-def test_engine_serves_updated_weights_without_files(tmp_path, monkeypatch):
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_engine_serves_updated_weights_without_files(tmp_path, monkeypatch, dtype):
+    """fp32: the engine runs on the policy's own tensors. bf16 (autocast training over fp32 master
+    weights): the engine runs on a bf16 replica that each update refreshes in place."""
     monkeypatch.chdir(tmp_path)
-    trainer = make_trainer(small_config(tmp_path, swap=True))
+    trainer = make_trainer(small_config(tmp_path, swap=True, dtype=dtype))
+    assert (trainer.engine_model is trainer.policy) == (dtype == "fp32")
     tok = trainer.tokenizer
     prompts = [encode_prompt(tok, p) for p, _ in trainer.prompt_stream.eval_set[:4]]
     greedy(trainer.rollout.engine, prompts)  # fills the prefix cache with the old weights' latents
@@ -72,7 +76,8 @@ def test_engine_serves_updated_weights_without_files(tmp_path, monkeypatch):
     assert any(not torch.equal(before[k], v) for k, v in trainer.policy.state_dict().items())
     assert sorted(os.listdir(tmp_path)) == []  # no file written during the iteration
     trainer.rollout.wake_up()
-    fresh = LLMEngine(copy.deepcopy(trainer.policy), tok, EngineConfig(kv_cache_memory="4MiB"))
+    replica = copy.deepcopy(trainer.policy).to(trainer.compute_dtype)
+    fresh = LLMEngine(replica, tok, EngineConfig(kv_cache_memory="4MiB"))
     assert greedy(trainer.rollout.engine, prompts) == greedy(fresh, prompts)
 
 
