@@ -68,6 +68,21 @@ def test_engine_prompt_logprobs_match_a_full_forward(tiny_model, byte_tokenizer)
     assert rank == int((logp[4] > logp[4, ids[5]]).sum()) + 1
 
 
+def test_prompt_logprobs_survive_preemption(tiny_model, byte_tokenizer):
+    """12 blocks of 4 for two 40-token sequences: they preempt each other and recompute; prompt
+    positions already scored are not scored twice."""
+    llm = LLM(tiny_model, byte_tokenizer, block_size=4, num_kv_blocks=12, max_num_batched_tokens=8)
+    ids = list(range(30, 50))
+    greedy = {"max_tokens": 20, "ignore_eos": True, "temperature": 0}
+    out = llm.generate([list(range(60, 80)), ids], [SamplingParams(**greedy),
+                                                    SamplingParams(**greedy, prompt_logprobs=1)])[1]
+    assert llm.engine.scheduler.num_preemptions > 0 and len(out.prompt_logprobs) == len(ids)
+    with torch.no_grad():
+        logp = tiny_model(torch.tensor([ids])).float().log_softmax(-1)[0]
+    want = logp[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor([e["logprob"] for e in out.prompt_logprobs[1:]]), want, atol=1e-5, rtol=0)
+
+
 def test_echo_logprobs_match_transformers(server, export_dir):
     ids = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33, 32, 84, 104, 101, 32, 101, 110, 100]
     r = httpx.post(server.base_url + "/v1/completions", timeout=60, json={
