@@ -354,7 +354,7 @@ def run(args):
     import torch
     import uvicorn
 
-    from seekforge.model.load import load_model
+    from seekforge.quant.load import load_model  # quantized checkpoints too
     from seekforge.model.precision import resolve_dtype
     from seekforge.serve.engine import LLMEngine
 
