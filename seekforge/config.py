@@ -283,8 +283,11 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "int8": latents per token in int8 + an fp32 scale
 
     def __post_init__(self):
+        if self.kv_cache_dtype not in ("auto", "int8"):
+            raise ValueError(f"EngineConfig.kv_cache_dtype={self.kv_cache_dtype!r}: choose 'auto' or 'int8'")
         for key in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
                 raise ValueError(f"EngineConfig.{key}={getattr(self, key)!r}: must be a positive integer")

@@ -24,7 +24,7 @@ log = logging.getLogger("seekforge.serve")
 def num_kv_blocks(model: Transformer, config: EngineConfig) -> int:
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
-    dtype = model.embed_tokens.weight.dtype
+    dtype = torch.int8 if config.kv_cache_dtype == "int8" else model.embed_tokens.weight.dtype
     n = config.kv_cache_bytes // bytes_per_block(model.cfg, config.block_size, dtype)
     if n < 1:
         raise ValueError(f"kv_cache_memory={config.kv_cache_memory!r} holds no block of "
@@ -38,8 +38,8 @@ class Runner:
         self.block_size = config.block_size
         weight = model.embed_tokens.weight
         self.device = weight.device
-        self.caches = [PagedLatentCache(model.cfg, num_blocks, config.block_size, weight.dtype, weight.device)
-                       for _ in model.layers]
+        self.caches = [PagedLatentCache(model.cfg, num_blocks, config.block_size, weight.dtype, weight.device,
+                                        int8=config.kv_cache_dtype == "int8") for _ in model.layers]
 
     def prepare(self, batch: ScheduledBatch):
         """→ input ids (1, T), positions (T,), AttentionMetadata, sample rows (N,) = flat index of the last
