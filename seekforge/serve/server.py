@@ -356,8 +356,8 @@ def run(args):
     import torch
     import uvicorn
 
-    from seekforge.quant.load import load_model  # quantized checkpoints too
     from seekforge.model.precision import resolve_dtype
+    from seekforge.quant.load import load_model  # quantized checkpoints too
     from seekforge.serve.engine import LLMEngine
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -72,11 +72,11 @@ def test_reads_a_checkpoint_written_by_compressed_tensors_compressor(tiny, tmp_p
     32); our reader must give the library's dequantized weights."""
     save_hf(tiny, tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
+    weights = {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": 32}
     qc = QuantizationConfig.model_validate({
         "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
-        "ignore": ["lm_head"], "config_groups": {"group_0": {"targets": ["Linear"], "format": "pack-quantized",
-                                                             "weights": {"num_bits": 4, "type": "int", "symmetric": False,
-                                                                         "strategy": "group", "group_size": 32}}}})
+        "ignore": ["lm_head"],
+        "config_groups": {"group_0": {"targets": ["Linear"], "format": "pack-quantized", "weights": weights}}})
     group = qc.config_groups["group_0"]
     compressor = BaseCompressor.load_from_registry("pack-quantized")
     with safe_open(tmp_path / "model.safetensors", "pt") as f:
@@ -84,7 +84,8 @@ def test_reads_a_checkpoint_written_by_compressed_tensors_compressor(tiny, tmp_p
     out, expected = {}, {}
     for name, w in tensors.items():
         base = name.removesuffix(".weight")
-        if not name.endswith(("_proj.weight", "_mqa.weight")) or "layers.3." in name:  # layer 3 is the MTP layer: not quantized
+        # layer 3 is the MTP layer: never quantized
+        if not name.endswith(("_proj.weight", "_mqa.weight")) or "layers.3." in name:
             out[name] = w
             continue
         _, scale, zp = rtn(w, Recipe(scheme="w4a16-asym", group_size=32).quant_scheme.weights)
@@ -119,8 +120,8 @@ def test_reads_a_checkpoint_llm_compressor_made_for_a_transformers_deepseek_v3(t
                            max_position_embeddings=256)
     DeepseekV3ForCausalLM(cfg).save_pretrained(tmp_path / "fp")
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "fp")
-    oneshot(model=model, recipe=QuantizationModifier(targets="Linear", scheme="W4A16", ignore=["lm_head", "re:.*mlp.gate$"]),
-            output_dir=str(tmp_path / "w4"), tokenizer=None)
+    recipe = QuantizationModifier(targets="Linear", scheme="W4A16", ignore=["lm_head", "re:.*mlp.gate$"])
+    oneshot(model=model, recipe=recipe, output_dir=str(tmp_path / "w4"), tokenizer=None)
     ours = load_compressed(tmp_path / "w4")
     reference = AutoModelForCausalLM.from_pretrained(tmp_path / "w4", dtype=torch.float32).eval()
     ids = torch.randint(0, 320, (2, 24))

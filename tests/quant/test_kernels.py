@@ -73,7 +73,8 @@ def test_quant_experts_equal_per_expert_reference():
     experts, hidden, inter = 4, 64, 32
     gate_up = [QuantLinear.from_quantized(scheme, *rtn(torch.randn(2 * inter, hidden), scheme.weights))
                for _ in range(experts)]
-    down = [QuantLinear.from_quantized(scheme, *rtn(torch.randn(hidden, inter), scheme.weights)) for _ in range(experts)]
+    down = [QuantLinear.from_quantized(scheme, *rtn(torch.randn(hidden, inter), scheme.weights))
+            for _ in range(experts)]
     module = QuantExperts(gate_up, down)
     counts = torch.tensor([3, 0, 5, 1])
     x = torch.randn(int(counts.sum()), hidden)
