@@ -208,7 +208,7 @@ def quantize_weight_by(weight: torch.Tensor, scheme: Scheme, stats: InputStats |
 
 def quantize_linear(linear: nn.Linear, scheme: Scheme, stats: InputStats | None, recipe: Recipe) -> QuantLinear:
     q, scale, zp, input_scale = quantize_weight_by(linear.weight, scheme, stats, recipe)
-    return QuantLinear.from_quantized(scheme, q, scale, zp, input_scale, linear.bias)
+    return QuantLinear.from_quantized(scheme, q, scale, zp, input_scale, linear.bias, linear.weight.dtype)
 
 
 def quantize_experts(experts: GroupedExperts, scheme: Scheme, hf: str, stats: dict, recipe: Recipe,
@@ -225,10 +225,11 @@ def quantize_experts(experts: GroupedExperts, scheme: Scheme, hf: str, stats: di
             unit_stats.append(s)
         if e not in reached and recipe.needs_calibration:
             report.rtn_fallback.append(f"{hf}.{e}")
+        dtype = experts.down_proj.dtype
         gate_up.append(QuantLinear.from_quantized(scheme, *quantize_weight_by(experts.gate_up_proj[e], scheme,
-                                                                              unit_stats[0], recipe)))
+                                                                              unit_stats[0], recipe), dtype=dtype))
         down.append(QuantLinear.from_quantized(scheme, *quantize_weight_by(experts.down_proj[e], scheme,
-                                                                           unit_stats[1], recipe)))
+                                                                           unit_stats[1], recipe), dtype=dtype))
         for proj in ("gate_proj", "up_proj", "down_proj"):
             report.schemes[f"{hf}.{e}.{proj}"] = scheme.name
     return QuantExperts(gate_up, down)

@@ -243,14 +243,14 @@ def load_compressed(path: str | Path, dtype: torch.dtype = torch.float32, device
             if _expert_parent(hf) is None:
                 parent, _, attr = every[hf].rpartition(".")
                 setattr(model.get_submodule(parent) if parent else model, attr,
-                        read_linear(tensors, hf, scheme).to(device))
+                        read_linear(tensors, hf, scheme, dtype).to(device))
         for experts_hf in plan_experts(plan):
             experts: GroupedExperts = model.get_submodule(every[experts_hf])
             num = experts.down_proj.shape[0]
             scheme = plan[f"{experts_hf}.0.gate_proj"]
-            gate_up = [merge_rows(read_linear(tensors, f"{experts_hf}.{e}.gate_proj", scheme),
-                                  read_linear(tensors, f"{experts_hf}.{e}.up_proj", scheme)) for e in range(num)]
-            down = [read_linear(tensors, f"{experts_hf}.{e}.down_proj", scheme) for e in range(num)]
+            gate_up = [merge_rows(read_linear(tensors, f"{experts_hf}.{e}.gate_proj", scheme, dtype),
+                                  read_linear(tensors, f"{experts_hf}.{e}.up_proj", scheme, dtype)) for e in range(num)]
+            down = [read_linear(tensors, f"{experts_hf}.{e}.down_proj", scheme, dtype) for e in range(num)]
             parent, _, attr = every[experts_hf].rpartition(".")
             setattr(model.get_submodule(parent), attr, QuantExperts(gate_up, down).to(device))
     return model.eval()
@@ -265,7 +265,8 @@ def plan_experts(plan: dict[str, Scheme]) -> set[str]:
     return {p for p in map(_expert_parent, plan) if p is not None}
 
 
-def read_linear(tensors: dict[str, torch.Tensor], name: str, scheme: Scheme) -> QuantLinear:
+def read_linear(tensors: dict[str, torch.Tensor], name: str, scheme: Scheme,
+                dtype: torch.dtype = torch.float32) -> QuantLinear:
     w = scheme.weights
     if f"{name}.weight_packed" in tensors:
         out_features, in_features = tensors[f"{name}.weight_shape"].tolist()
@@ -282,7 +283,7 @@ def read_linear(tensors: dict[str, torch.Tensor], name: str, scheme: Scheme) -> 
         zero_point = unpack_int32(tensors[f"{name}.weight_zero_point"], w.num_bits, q.shape[0], dim=0)
         zero_point = zero_point.reshape(q.shape[0], groups)
     input_scale = tensors.get(f"{name}.input_scale")
-    return QuantLinear.from_quantized(scheme, q, scale, zero_point, input_scale, tensors.get(f"{name}.bias"))
+    return QuantLinear.from_quantized(scheme, q, scale, zero_point, input_scale, tensors.get(f"{name}.bias"), dtype)
 
 
 def merge_rows(gate: QuantLinear, up: QuantLinear) -> QuantLinear:
@@ -292,5 +293,6 @@ def merge_rows(gate: QuantLinear, up: QuantLinear) -> QuantLinear:
     if gate.input_scale is not None:
         input_scale = torch.maximum(gate.input_scale, up.input_scale)
     zp = None if gate.weight_zero_point is None else torch.cat([gate.weight_zero_point, up.weight_zero_point])
-    return QuantLinear.from_quantized(gate.scheme, torch.cat([gate.qweight, up.qweight]),
-                                      torch.cat([gate.weight_scale, up.weight_scale]), zp, input_scale)
+    scale = torch.cat([gate.weight_scale, up.weight_scale])
+    return QuantLinear.from_quantized(gate.scheme, torch.cat([gate.qweight, up.qweight]), scale, zp, input_scale,
+                                      dtype=gate.dtype)

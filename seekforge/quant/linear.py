@@ -19,9 +19,11 @@ from seekforge.quant.schemes import Scheme, dequantize_weight
 
 
 class QuantLinear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, scheme: Scheme, bias: bool = False):
+    def __init__(self, in_features: int, out_features: int, scheme: Scheme, bias: bool = False,
+                 dtype: torch.dtype = torch.float32):
         super().__init__()
         self.in_features, self.out_features, self.scheme = in_features, out_features, scheme
+        self.dtype = dtype  # of `weight`: the model's compute dtype, as an nn.Linear's weight would be
         w = scheme.weights
         groups = in_features // w.group_size if w.strategy == "group" else 1
         self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8))
@@ -35,8 +37,9 @@ class QuantLinear(nn.Module):
 
     @classmethod
     def from_quantized(cls, scheme: Scheme, q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
-                       input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> QuantLinear:
-        module = cls(q.shape[1], q.shape[0], scheme, bias is not None)
+                       input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                       dtype: torch.dtype = torch.float32) -> QuantLinear:
+        module = cls(q.shape[1], q.shape[0], scheme, bias is not None, dtype)
         module.set_quantized(q, scale, zero_point, input_scale, bias)
         return module.to(q.device)
 
@@ -54,11 +57,14 @@ class QuantLinear(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        """The dequantized weight (O, I) fp32 (cached: MLA's absorbed path reads it every decode step)."""
+        """The dequantized weight (O, I) in `dtype` (cached: MLA's absorbed path reads it every decode step)."""
         if "weight" not in self._kernel_cache:
-            self._kernel_cache["weight"] = dequantize_weight(self.qweight, self.weight_scale, self.weight_zero_point,
-                                                             self.scheme.weights)
+            self._kernel_cache["weight"] = self.dequantized().to(self.dtype)
         return self._kernel_cache["weight"]
+
+    def dequantized(self) -> torch.Tensor:
+        """(q − zp) · scale (O, I) fp32: the weights the checkpoint describes."""
+        return dequantize_weight(self.qweight, self.weight_scale, self.weight_zero_point, self.scheme.weights)
 
     def _apply(self, fn, recurse=True):  # .to() / .cuda(): the cached layouts belong to the old tensors
         self._kernel_cache = {}
@@ -91,10 +97,10 @@ class QuantLinear(nn.Module):
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         if self.scheme.input_activations is not None:
-            return kernels.int8_matmul_reference(x, self.weight, self.input_scale)
+            return kernels.int8_matmul_reference(x, self.dequantized(), self.input_scale)
         key = ("dequantized", x.dtype)
         if key not in self._kernel_cache:
-            self._kernel_cache[key] = self.weight.to(x.dtype)
+            self._kernel_cache[key] = self.dequantized().to(x.dtype)
         return F.linear(x, self._kernel_cache[key])
 
     def extra_repr(self) -> str:

@@ -10,6 +10,7 @@ from compressed_tensors.quantization import QuantizationConfig
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from seekforge.model.generate import generate
 from seekforge.model.hf import save_hf
 from seekforge.quant.calibrate import quantize_model
 from seekforge.quant.checkpoint import load_compressed, quantized_modules, save_compressed
@@ -38,16 +39,26 @@ def test_round_trip_gives_the_same_model(saved):
         assert torch.equal(loaded(ids), model(ids))
 
 
+def test_loads_in_bf16_and_decodes(saved):
+    """bf16 activations: the absorbed decode path reads kv_b_proj.weight in the model's dtype."""
+    _, path = saved
+    model = load_compressed(path, torch.bfloat16)
+    assert model.layers[0].self_attn.kv_b_proj.weight.dtype == torch.bfloat16
+    out = generate(model, [1, 2, 3], max_new_tokens=3)
+    assert len(out) == 3
+
+
 def our_dequantized(model):
     """HF name → our dequantized weight, experts split back into gate/up/down."""
     out = {}
     for hf, (_, module) in quantized_modules(model).items():
         if isinstance(module, QuantExperts):
             for e, (gate_up, down) in enumerate(zip(module.gate_up, module.down, strict=True)):
-                gate, up = gate_up.weight.chunk(2)
-                out.update({f"{hf}.{e}.gate_proj": gate, f"{hf}.{e}.up_proj": up, f"{hf}.{e}.down_proj": down.weight})
+                gate, up = gate_up.dequantized().chunk(2)
+                out.update({f"{hf}.{e}.gate_proj": gate, f"{hf}.{e}.up_proj": up,
+                            f"{hf}.{e}.down_proj": down.dequantized()})
         else:
-            out[hf] = module.weight
+            out[hf] = module.dequantized()
     return out
 
 
