@@ -29,7 +29,7 @@ def int8_matmul(x: torch.Tensor, qweight_t: torch.Tensor, weight_scale: torch.Te
     token) → (M, O) in x's dtype."""
     xq, x_scale = quantize_activation(x, input_scale)
     acc = torch._int_mm(xq, qweight_t)  # (M, O) int32, exact
-    return (acc.float() * x_scale * weight_scale).to(x.dtype)
+    return torch.mul(acc, x_scale * weight_scale).to(x.dtype)  # (M, 1)·(O,) → (M, O) rescale, one pass
 
 
 def int8_matmul_reference(x: torch.Tensor, weight: torch.Tensor, input_scale: torch.Tensor | None) -> torch.Tensor:

@@ -123,7 +123,11 @@ def rtn(w: torch.Tensor, args: QuantArgs) -> tuple[torch.Tensor, torch.Tensor, t
 
 # ------------------------------------------------------------------------------ activations
 def quantize_activation(x: torch.Tensor, static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (M, I) → int8 (M, I) and its scale: (M, 1) per token (dynamic), or the calibrated (1,) scale."""
-    x = x.float()
-    scale = static_scale if static_scale is not None else (x.abs().amax(dim=-1, keepdim=True) / 127.0).clamp(min=1e-8)
-    return (x / scale).round().clamp(-128, 127).to(torch.int8), scale
+    """x (M, I) → int8 (M, I) and its fp32 scale: (M, 1) per token (dynamic), or the calibrated (1,) scale.
+    Few kernels on purpose: at decode batch sizes these elementwise passes, not the int8 GEMM, are the cost."""
+    if static_scale is None:
+        absmax = torch.linalg.vector_norm(x, float("inf"), dim=-1, keepdim=True, dtype=torch.float32)  # (M, 1)
+        scale = absmax.clamp_(min=1e-8).div_(127.0)
+    else:
+        scale = static_scale.float()
+    return torch.div(x, scale).round_().clamp_(-128, 127).to(torch.int8), scale
