@@ -24,11 +24,12 @@ from torch import nn
 from tqdm import tqdm
 
 from seekforge.model.moe import GroupedExperts
+from seekforge.quant.awq import awq_block
 from seekforge.quant.gptq import accumulate_hessian, gptq_quantize
 from seekforge.quant.linear import QuantExperts, QuantLinear
 from seekforge.quant.recipe import Recipe, module_names, resolve
 from seekforge.quant.schemes import Scheme, qparams, rtn
-from seekforge.quant.smooth import apply_smoothing, smoothing_groups
+from seekforge.quant.smooth import apply_smoothing, consumer_scheme, smoothing_groups
 
 
 @dataclass
@@ -92,6 +93,8 @@ def quantize_model(model: nn.Module, recipe: Recipe, samples: list[torch.Tensor]
         prefix = f"model.layers.{i}."
         if inputs is not None and recipe.smoothing_strength is not None:
             smooth_block(block, prefix, plan, inputs, recipe.smoothing_strength, report)
+        if recipe.method == "awq":
+            awq_block(block, prefix, plan, inputs, recipe.quant_scheme.weights, report)
         stats = collect_stats(block, prefix, plan, inputs, recipe.method == "gptq") if inputs is not None else {}
         swap_block(model, block, prefix, plan, every, stats, recipe, report)
         if inputs is not None:
@@ -114,8 +117,7 @@ def run_block(block: nn.Module, inputs) -> None:
 
 def smooth_block(block, prefix, plan, inputs, alpha, report) -> None:
     groups = [g for g in smoothing_groups(block)
-              if all(_consumer_names(prefix, p)[0] in plan and plan[_consumer_names(prefix, p)[0]].input_activations
-                     for p in g[1])]
+              if all(getattr(consumer_scheme(prefix, p, plan), "input_activations", None) for p in g[1])]
     absmax: dict[str, torch.Tensor] = {}
 
     def hook(name):
@@ -133,13 +135,6 @@ def smooth_block(block, prefix, plan, inputs, alpha, report) -> None:
     for norm, consumers, rescaled in groups:
         apply_smoothing(block, norm, consumers, rescaled, absmax[norm], alpha)
         report.smoothed.append(f"{prefix}{norm} → {', '.join(consumers)}")
-
-
-def _consumer_names(prefix: str, path: str) -> list[str]:
-    """Our block-relative path → the HF names it covers (the stacked experts: every gate/up)."""
-    if path.endswith("experts.gate_up_proj"):
-        return [f"{prefix}{path.removesuffix('.gate_up_proj')}.0.gate_proj"]  # resolve() keeps experts all-or-none
-    return [prefix + path]
 
 
 def collect_stats(block, prefix, plan, inputs, with_hessian: bool) -> dict[str, InputStats]:

@@ -16,7 +16,8 @@ def add_arguments(p):
     how = p.add_mutually_exclusive_group(required=True)
     how.add_argument("--recipe", help="YAML recipe (keys: seekforge/quant/recipe.py Recipe)")
     how.add_argument("--scheme", choices=list(SCHEMES), help="a scheme with the default recipe around it")
-    p.add_argument("--method", choices=["rtn", "gptq"], default="rtn", help="with --scheme: weight rounding")
+    p.add_argument("--method", choices=["rtn", "gptq", "awq"], default="rtn",
+                   help="with --scheme: weight rounding (awq: activation-aware scales, then RTN)")
     p.add_argument("--group-size", type=int, default=None, help="with --scheme w4a16*: group size (default 128)")
     p.add_argument("--num-samples", type=int, default=None, help="calibration samples (default: the recipe's, 64)")
     p.add_argument("--dataset", default=None, help="calibration data: builtin:text or a JSONL file of {\"text\": …}")

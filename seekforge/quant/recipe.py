@@ -3,7 +3,7 @@
 A recipe is a YAML file whose keys are `Recipe`'s fields, e.g.
 
     scheme: w4a16          # w8a8-dynamic | w8a8-static | w4a16 | w4a16-asym
-    method: gptq           # rtn | gptq
+    method: gptq           # rtn | gptq | awq
     targets: [Linear]      # "Linear" (every linear), a module name, a glob, or "re:<regex>"
     ignore: [lm_head, "re:.*mlp.gate$"]
     group_size: 32
@@ -35,13 +35,13 @@ from seekforge.model.hf import hf_name
 from seekforge.model.moe import GroupedExperts
 from seekforge.quant.schemes import SCHEMES, W8A16, Scheme, with_group_size
 
-METHODS = ("rtn", "gptq")
+METHODS = ("rtn", "gptq", "awq")
 
 
 @dataclass
 class Recipe:
     scheme: str
-    method: str = "rtn"
+    method: str = "rtn"  # rtn | gptq | awq (AWQ scales, then RTN)
     targets: list[str] = field(default_factory=lambda: ["Linear"])
     ignore: list[str] = field(default_factory=lambda: ["lm_head"])
     group_size: int | None = None  # None: the scheme's (128 for w4a16)
@@ -59,6 +59,9 @@ class Recipe:
             raise ValueError(f"unsupported scheme {self.scheme!r}; choose one of {', '.join(SCHEMES)}")
         if self.method not in METHODS:
             raise ValueError(f"unsupported method {self.method!r}; choose one of {', '.join(METHODS)}")
+        if self.method == "awq" and self.quant_scheme.input_activations is not None:
+            raise ValueError(f"method awq scales weights for weight-only rounding; {self.scheme} quantizes "
+                             "activations too: use w4a16 / w4a16-asym, or method rtn/gptq (SmoothQuant for W8A8)")
         if self.smoothing_strength is None and self.scheme == "w8a8-static":
             self.smoothing_strength = 0.5
         if self.smoothing_strength is not None:

@@ -57,12 +57,26 @@ def weight_of(block: nn.Module, path: str) -> torch.Tensor:
         return block.get_parameter(path)
 
 
+def consumer_scheme(prefix: str, path: str, plan: dict):
+    """The plan's scheme for a consumer path of smoothing_groups (stacked experts: expert 0's
+    gate_proj — recipe.resolve keeps a layer's experts all alike), or None when not quantized."""
+    if path.endswith("experts.gate_up_proj"):
+        return plan.get(f"{prefix}{path.removesuffix('.gate_up_proj')}.0.gate_proj")
+    return plan.get(prefix + path)
+
+
 @torch.no_grad()
 def apply_smoothing(block: nn.Module, norm_path: str, consumers: list[str], rescaled: list[str],
                     act_absmax: torch.Tensor, alpha: float) -> None:
-    s = smoothing_scales(act_absmax, [weight_of(block, p) for p in consumers], alpha)
+    fold_scales(block, norm_path, consumers + rescaled,
+                smoothing_scales(act_absmax, [weight_of(block, p) for p in consumers], alpha))
+
+
+@torch.no_grad()
+def fold_scales(block: nn.Module, norm_path: str, readers: list[str], s: torch.Tensor) -> None:
+    """norm.weight ÷ s and every reader's weight × s along its input dim: the block's function is unchanged."""
     norm = block.get_submodule(norm_path)
     norm.weight.copy_((norm.weight.float() / s).to(norm.weight.dtype))
-    for path in consumers + rescaled:
+    for path in readers:
         w = weight_of(block, path)
         w.copy_((w.float() * s).to(w.dtype))  # scales the last (input) dim, stacked experts included

@@ -8,11 +8,12 @@ import torch
 
 from seekforge.config import preset
 from seekforge.model.model import build_model
+from seekforge.quant.awq import awq_scales
 from seekforge.quant.calibrate import InputStats, quantize_model, smooth_block
 from seekforge.quant.gptq import gptq_quantize, reconstruction_error
 from seekforge.quant.linear import QuantExperts, QuantLinear
 from seekforge.quant.recipe import Recipe, resolve
-from seekforge.quant.schemes import QuantArgs, rtn
+from seekforge.quant.schemes import QuantArgs, dequantize_weight, rtn
 
 
 def correlated_inputs(n=512, dim=64):
@@ -34,6 +35,19 @@ def test_gptq_reconstruction_error_below_rtn(args, actorder):
     rtn_err = reconstruction_error(w, *rtn(w, args), stats.hessian, args)
     assert gptq_err < 0.8 * rtn_err
     assert q.min() >= args.qmin and q.max() <= args.qmax
+
+
+def test_awq_scales_lower_the_output_error_of_rtn():
+    args = QuantArgs(4, "group", group_size=32)
+    x = correlated_inputs()
+    w = torch.randn(48, 64)
+    s = awq_scales(x, w, args)
+    q, scale, _ = rtn(w * s, args)
+    awq_out = x @ (dequantize_weight(q, scale, None, args) / s).t()
+    q, scale, _ = rtn(w, args)
+    rtn_out = x @ dequantize_weight(q, scale, None, args).t()
+    ref = x @ w.t()
+    assert (awq_out - ref).pow(2).mean() < (rtn_out - ref).pow(2).mean()
 
 
 def test_smoothing_preserves_the_block_function(tiny_copy, samples):
@@ -58,6 +72,7 @@ def test_smoothing_preserves_the_block_function(tiny_copy, samples):
 @pytest.mark.parametrize("kwargs, bound", [
     (dict(scheme="w8a8-dynamic"), 0.05), (dict(scheme="w8a8-static"), 0.08),
     (dict(scheme="w4a16", group_size=32), 0.25), (dict(scheme="w4a16", group_size=32, method="gptq"), 0.25),
+    (dict(scheme="w4a16", group_size=32, method="awq"), 0.25),
 ])
 def test_quantized_model_stays_close(tiny, samples, kwargs, bound):
     model = copy.deepcopy(tiny)

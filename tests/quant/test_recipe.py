@@ -46,7 +46,8 @@ def test_bad_recipe_fails_before_any_weight_moves(tiny_copy, samples, kwargs, me
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(scheme="w3a16"), "unsupported scheme"),
-    (dict(scheme="w4a16", method="awq"), "unsupported method"),
+    (dict(scheme="w4a16", method="hqq"), "unsupported method"),
+    (dict(scheme="w8a8-dynamic", method="awq"), "weight-only rounding"),
     (dict(scheme="w4a16", smoothing_strength=0.5), "quantizes weights only"),
 ])
 def test_unsupported_recipe_values(kwargs, message):
