@@ -32,6 +32,7 @@ _FLAGS = [
     ("--lr", "lr", float, "learning rate"),
     ("--beta", "beta", float, "KL-to-reference coefficient (0: no reference model)"),
     ("--seed", "seed", int, "prompts, sampling and the built-in base"),
+    ("--dtype", "dtype", str, "compute dtype: auto | bf16 | fp32 (master weights stay fp32)"),
     ("--out-dir", "out_dir", str, "run directory"),
 ]
 _DEFAULTS = GRPOConfig()
@@ -133,6 +134,7 @@ def _grpo(cfg: GRPOConfig) -> None:
         f"G={cfg.group_size} per step, {cfg.steps} steps, loss {cfg.loss_type}, beta {cfg.beta}, mu {cfg.mu}; "
         f"rewards {dict(zip(cfg.rewards, cfg.reward_weights, strict=True))}"
         + (f"; {dist.get_world_size()} data-parallel ranks" if dist.is_initialized() else ""))
+    say(f"compute dtype: {trainer.dtype_reason}")
     trainer.fit()
     if not is_main:
         return

@@ -51,6 +51,8 @@ class GRPOConfig:
     max_pack_tokens: int = 1024
     max_pack_count: int = 64
     swap: bool = True  # free the engine's KV pool during training; offload reference / optimizer state
+    fsdp: bool = True  # under torchrun: FSDP-shard the policy and its optimizer state (False: full replicas)
+    dtype: str = "auto"  # compute dtype: auto (bf16 where the hardware runs it natively, else fp32) | bf16 | fp32
     kv_cache_memory: str = "64MiB"
     eval_prompts: int = 200  # held-out prompts, greedy; 0 disables
     eval_interval: int = 20
@@ -95,6 +97,8 @@ class GRPOConfig:
             bad("temperature", "must be > 0: GRPO needs different completions within a group")
         if self.lr <= 0 or self.base_lr <= 0:
             bad("lr", "lr and base_lr must be > 0")
+        if self.dtype not in ("auto", "bf16", "fp32"):
+            bad("dtype", "choose auto, bf16 or fp32")
         if self.loss_type not in LOSS_TYPES:
             bad("loss_type", f"choose one of {LOSS_TYPES}")
         if not set(self.task_levels) <= {1, 2, 3} or not self.task_levels:
