@@ -37,6 +37,7 @@ PROMPT_LEN = 32
 
 
 def model_bytes(path: Path) -> int:
+    """A quantized checkpoint's safetensors bytes on disk (packed int4 / int8 weights, scales, the rest)."""
     return sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
 
 
@@ -111,7 +112,9 @@ def main():
         acc = task_accuracy(model, tokenizer, args.num_questions) if args.num_questions else float("nan")
         ms, tps = engine_decode(model, tokenizer, args.repeats)
         results[name] = ms
-        size = model_bytes(Path(path)) / 1e6 if name != "fp32" else float("nan")
+        # unquantized rows: their weights in that dtype (the checkpoint file may hold another dtype)
+        size = (model_bytes(Path(path)) if name not in ("bf16", "fp32")
+                else sum(t.numel() * t.element_size() for t in model.state_dict().values())) / 1e6
         delta = 100 * (ppl / base_ppl - 1)
         print(f"{name:<16} {ppl:8.4f} {delta:+11.2f}% {acc:6.3f} {size:7.2f} {ms:10.2f} {tps:10.1f}", flush=True)
     for name, ms in results.items():
