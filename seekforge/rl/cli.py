@@ -5,9 +5,10 @@ arithmetic task (a few minutes; reused when already there), then improves it wit
 task's exact-answer reward, writing runs/grpo/{metrics.jsonl, tensorboard/, reward.png,
 checkpoints/, base/}. An existing run in --out-dir resumes from its latest checkpoint.
 
-Under torchrun (`torchrun --nproc-per-node 2 -m seekforge.cli grpo ...`) every rank holds a policy
-replica and its own engine, rolls out its balanced share of the prompts and trains its share of the
-sequences; gradients are summed over ranks, so the run equals the one-process run.
+Under torchrun (`torchrun --nproc-per-node 2 -m seekforge.cli grpo ...`) the policy and its optimizer
+state are FSDP-sharded over the ranks (`--set fsdp=false`: full replicas); every rank has its own
+engine, rolls out its balanced share of the prompts and trains its share of the sequences; gradients
+are summed over ranks, so the run equals the one-process run.
 """
 
 from __future__ import annotations

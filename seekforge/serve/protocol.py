@@ -134,3 +134,14 @@ class ChatCompletionRequest(_Sampling):
     @property
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class LoadLoRARequest(BaseModel):
+    """POST /v1/load_lora_adapter, as vLLM takes it: a PEFT adapter directory served under lora_name."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRARequest(BaseModel):
+    lora_name: str

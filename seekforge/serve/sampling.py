@@ -61,36 +61,74 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[dict | None]]:
-    """logits (N, V) fp32 for seqs → next token ids and, per row, logprob info (None if not asked)."""
-    raw = logits
-    params = [s.params for s in seqs]
-    if any(p.has_penalties for p in params):
+def adjusted_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """logits (N, V) → penalized, with stop tokens masked until min_tokens: what greedy rows argmax
+    and sampled rows scale by temperature. Returns `logits` itself when nothing applies."""
+    if any(s.params.has_penalties for s in seqs):
         logits = apply_penalties(logits, seqs)
+    masked = logits
     for i, seq in enumerate(seqs):
         if seq.num_output_tokens < seq.params.min_tokens and seq.stop_token_ids:
-            if logits is raw:
-                logits = logits.clone()
-            logits[i, list(seq.stop_token_ids)] = float("-inf")
-    greedy_ids = logits.argmax(dim=-1)
-    if all(p.greedy for p in params):
-        next_ids = greedy_ids
-    else:
-        device = logits.device
-        temperature = torch.tensor([p.temperature or 1.0 for p in params], device=device)
-        scaled = logits / temperature[:, None]
-        if any(p.top_k or p.top_p < 1 or p.min_p > 0 for p in params):
-            scaled = filter_logits(scaled, torch.tensor([p.top_k for p in params], device=device),
-                                   torch.tensor([p.top_p for p in params], device=device),
-                                   torch.tensor([p.min_p for p in params], device=device))
-        probs = scaled.softmax(dim=-1)
-        noise = torch.empty_like(probs).exponential_()
-        for i, seq in enumerate(seqs):
-            if seq.generator is not None and not seq.params.greedy:
-                noise[i] = torch.empty(probs.shape[1]).exponential_(generator=seq.generator).to(device)
-        sampled = (probs / noise).argmax(dim=-1)
-        is_greedy = torch.tensor([p.greedy for p in params], device=device)
-        next_ids = torch.where(is_greedy, greedy_ids, sampled)
+            if masked is logits:
+                masked = logits.clone()
+            masked[i, list(seq.stop_token_ids)] = float("-inf")
+    return masked
+
+
+def token_probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """adjusted logits (N, V) → the distribution each row draws from (N, V): temperature, top-k,
+    top-p, min-p, softmax; a greedy row is one-hot at its argmax (speculative decoding verifies
+    greedy and sampled rows with the same rejection rule, spec_decode.py)."""
+    params = [s.params for s in seqs]
+    device = logits.device
+    temperature = torch.tensor([p.temperature or 1.0 for p in params], device=device)
+    scaled = logits / temperature[:, None]
+    if any(p.top_k or p.top_p < 1 or p.min_p > 0 for p in params):
+        scaled = filter_logits(scaled, torch.tensor([p.top_k for p in params], device=device),
+                               torch.tensor([p.top_p for p in params], device=device),
+                               torch.tensor([p.min_p for p in params], device=device))
+    probs = scaled.softmax(dim=-1)
+    is_greedy = torch.tensor([p.greedy for p in params], device=device)
+    if is_greedy.any():
+        one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        probs = torch.where(is_greedy[:, None], one_hot, probs)
+    return probs
+
+
+def exponential_noise(seqs: list[Sequence], num_rows_per_seq: int, vocab: int, device) -> torch.Tensor:
+    """Exp(1) noise (N · num_rows_per_seq, V) for exponential-race draws, seq i owning rows
+    i·num_rows_per_seq …; a seeded sequence fills its rows from its own generator."""
+    noise = torch.empty(len(seqs) * num_rows_per_seq, vocab, device=device).exponential_()
+    for i, seq in enumerate(seqs):
+        if seq.generator is not None and not seq.params.greedy:
+            rows = slice(i * num_rows_per_seq, (i + 1) * num_rows_per_seq)
+            noise[rows] = torch.empty(num_rows_per_seq, vocab).exponential_(generator=seq.generator).to(device)
+    return noise
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[dict | None]]:
+    """logits (N, V) fp32 for seqs → next token ids and, per row, logprob info (None if not asked)."""
+    next_ids = sample_ids(logits, seqs)
+    return next_ids.tolist(), logprob_infos(logits, next_ids, seqs)
+
+
+def sample_ids(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """logits (N, V) → next token ids (N,) on logits' device (multi-step decoding feeds them straight
+    back into the model)."""
+    adjusted = adjusted_logits(logits, seqs)
+    greedy_ids = adjusted.argmax(dim=-1)
+    if all(s.params.greedy for s in seqs):
+        return greedy_ids
+    probs = token_probs(adjusted, seqs)
+    sampled = (probs / exponential_noise(seqs, 1, probs.shape[1], probs.device)).argmax(dim=-1)
+    is_greedy = torch.tensor([s.params.greedy for s in seqs], device=logits.device)
+    return torch.where(is_greedy, greedy_ids, sampled)
+
+
+def logprob_infos(raw: torch.Tensor, next_ids: torch.Tensor, seqs: list[Sequence]) -> list[dict | None]:
+    """raw logits (N, V) and the chosen ids (N,) → per row {"token_id", "logprob", "top"} for the
+    sequences that asked for logprobs, else None."""
+    params = [s.params for s in seqs]
     token_ids = next_ids.tolist()
     infos: list[dict | None] = [None] * len(seqs)
     wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
@@ -104,4 +142,4 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[
             ki = params[i].logprobs
             top_pairs = list(zip(top.indices[j, :ki].tolist(), top.values[j, :ki].tolist(), strict=True)) if ki else []
             infos[i] = {"token_id": token_ids[i], "logprob": chosen[j], "top": top_pairs}
-    return token_ids, infos
+    return infos

@@ -87,7 +87,7 @@ _seq_ids = itertools.count()
 
 class Sequence:
     def __init__(self, request_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams,
-                 max_tokens: int, eos_token_id: int | None, cache_salt: str | None = None):
+                 max_tokens: int, eos_token_id: int | None, cache_salt: str | None = None, lora=None):
         self.seq_id = next(_seq_ids)
         self.request_id = request_id
         self.index = index  # which of the request's n completions
@@ -101,6 +101,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []  # chained hashes of the full blocks, in order
         self.cache_salt = cache_salt
+        self.lora = lora  # a serve.lora.LoRAAdapter, or None for the base model
         self.stop_token_ids = set(params.stop_token_ids)
         if eos_token_id is not None and not params.ignore_eos:
             self.stop_token_ids.add(eos_token_id)
@@ -108,12 +109,24 @@ class Sequence:
         self.generator = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed + index)
+        # Speculative decoding (spec_decode.py): tokens the MTP modules proposed after the last one, not
+        # yet verified, and per draft the distribution it was drawn from (d, V) (None for greedy).
+        self.draft_token_ids: list[int] = []
+        self.draft_probs: torch.Tensor | None = None
         self.logprobs: list[dict] = []  # per output token: {"token_id", "logprob", "top": [(id, logprob)]}
         self.finish_reason: str | None = None
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.num_preemptions = 0
+
+    @property
+    def cache_key(self) -> str | None:
+        """What keys this sequence's prefix-cache blocks besides its tokens: the cache salt and the LoRA
+        adapter (a load's unique id: latents computed under one adapter are not another's)."""
+        if self.lora is None:
+            return self.cache_salt
+        return f"{self.cache_salt or ''}\x00lora:{self.lora.lora_id}"
 
     @property
     def num_tokens(self) -> int:
@@ -134,3 +147,32 @@ class Sequence:
     def __repr__(self):
         return (f"Sequence(id={self.seq_id}, request={self.request_id!r}, tokens={self.num_tokens}, "
                 f"computed={self.num_computed_tokens}, blocks={len(self.block_table)}, {self.status.value})")
+
+
+@dataclass
+class SequenceUpdate:
+    """What one step did to a scheduled sequence: it computed `num_real` of its known tokens plus
+    `num_accepted` verified draft tokens, and proposes `token_ids` to append (the accepted drafts and
+    one sampled token; empty mid-prefill), with per token the logprob info (None if not asked). The
+    engine appends them one at a time until a stop condition; tokens past it are discarded."""
+
+    seq: Sequence
+    num_real: int
+    num_accepted: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    infos: list[dict | None] = field(default_factory=list)
+
+
+class SequenceAhead:
+    """A view of `seq` as it will be once `extra` tokens follow it: what sampling reads (penalties over
+    the output so far, min_tokens, the generator), for scoring a draft's position before it is accepted."""
+
+    def __init__(self, seq: Sequence, extra: list[int]):
+        self.params = seq.params
+        self.token_ids = seq.token_ids + extra if extra else seq.token_ids
+        self.num_prompt_tokens = seq.num_prompt_tokens
+        self.stop_token_ids = seq.stop_token_ids
+        self.generator = seq.generator
+
+    num_output_tokens = Sequence.num_output_tokens  # the same properties over the extended tokens
+    output_token_ids = Sequence.output_token_ids

@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from seekforge.probe.trace import OnDemandTracer, StepTimer
 from seekforge.serve.engine import AsyncEngine, RequestOutput, chat_prompt_ids
 from seekforge.serve.metrics import ServerMetrics
-from seekforge.serve.protocol import ChatCompletionRequest, CompletionRequest
+from seekforge.serve.protocol import ChatCompletionRequest, CompletionRequest, LoadLoRARequest, UnloadLoRARequest
 
 log = logging.getLogger("seekforge.serve")
 
@@ -94,13 +94,16 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
     v1 = [Depends(require_key)]
 
-    def check(req) -> None:
-        if req.model != model_name:
-            raise APIError(f"model {req.model!r} does not exist; this server serves {model_name!r}",
-                           code="model_not_found", param="model")
+    def check(req) -> str | None:
+        """Validate; → the LoRA adapter the request's `model` names (None: the base model)."""
+        if req.model != model_name and req.model not in core.lora_adapters:
+            raise APIError(f"model {req.model!r} does not exist; this server serves {model_name!r}"
+                           + "".join(f", {name!r}" for name in core.lora_adapters), code="model_not_found",
+                           param="model")
         problem = req.unsupported()
         if problem:
             raise APIError(problem)
+        return None if req.model == model_name else req.model
 
     @app.get("/health")
     async def health():
@@ -116,14 +119,35 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
     @app.get("/v1/models", dependencies=v1)
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "seekforge", "max_model_len": core.max_model_len}]}
+        now = int(time.time())
+        base = {"id": model_name, "object": "model", "created": now, "owned_by": "seekforge",
+                "root": model_name, "parent": None, "max_model_len": core.max_model_len}
+        adapters = [{**base, "id": name, "root": adapter.path, "parent": model_name}
+                    for name, adapter in core.lora_adapters.items()]
+        return {"object": "list", "data": [base, *adapters]}
+
+    # LoRA adapters at run time, as vLLM names the endpoints (body {lora_name, lora_path} / {lora_name})
+    @app.post("/v1/load_lora_adapter", dependencies=v1)
+    async def load_lora_adapter(body: LoadLoRARequest):
+        if body.lora_name == model_name:
+            raise APIError(f"lora_name {body.lora_name!r} is the base model's name; pick another")
+        await asyncio.to_thread(core.load_lora, body.lora_name, body.lora_path)  # reads files: off the loop
+        return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")
+
+    @app.post("/v1/unload_lora_adapter", dependencies=v1)
+    async def unload_lora_adapter(body: UnloadLoRARequest):
+        try:
+            core.unload_lora(body.lora_name)
+        except KeyError:
+            raise APIError(f"the LoRA adapter {body.lora_name!r} cannot be found", 404, "not_found_error",
+                           param="lora_name") from None
+        return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
 
     @app.post("/v1/completions", dependencies=v1)
     async def completions(req: CompletionRequest, raw: Request):
-        check(req)
+        lora = check(req)
         params = req.sampling_params(req.max_tokens, req.logprobs)
-        streams = [engine.generate(p, params, cache_salt=req.cache_salt) for p in req.prompts()]
+        streams = [engine.generate(p, params, cache_salt=req.cache_salt, lora_name=lora) for p in req.prompts()]
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
         def choice(i: int, c, text: str, logprob_entries, finish_reason):
@@ -142,13 +166,13 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
     @app.post("/v1/chat/completions", dependencies=v1)
     async def chat(req: ChatCompletionRequest, raw: Request):
-        check(req)
+        lora = check(req)
         if not req.messages:
             raise APIError("messages is empty; give at least one message", param="messages")
         prompt_ids = chat_prompt_ids(tokenizer, [m.as_dict() for m in req.messages], req.add_generation_prompt)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = req.sampling_params(req.max_new_tokens, logprobs)
-        streams = [engine.generate(prompt_ids, params, cache_salt=req.cache_salt)]
+        streams = [engine.generate(prompt_ids, params, cache_salt=req.cache_salt, lora_name=lora)]
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
         def choice(i: int, c, text: str, logprob_entries, finish_reason, delta=False):
@@ -338,6 +362,14 @@ def add_arguments(p):
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--no-chunked-prefill", action="store_true")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--speculative-tokens", type=int, default=0,
+                   help="k > 0: the model's MTP modules draft k tokens per step, one pass verifies them")
+    p.add_argument("--num-scheduler-steps", type=int, default=1,
+                   help="N > 1: N decode steps per scheduler pass while no prefill waits")
+    p.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters (POST /v1/load_lora_adapter at run time); implied by --lora-modules")
+    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="PEFT LoRA adapter directories to load at start; a request's `model` selects one by NAME")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--log-level", default="info")
     p.add_argument("--trace-dir", default="traces", help="where POST /debug/trace and SIGUSR2 write profiler traces")
@@ -349,7 +381,20 @@ def engine_config_from_args(args):
     return EngineConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=args.max_model_len, enable_chunked_prefill=not args.no_chunked_prefill,
-                        enable_prefix_caching=not args.no_prefix_caching, kv_cache_dtype=args.kv_cache_dtype)
+                        enable_prefix_caching=not args.no_prefix_caching, kv_cache_dtype=args.kv_cache_dtype,
+                        speculative_tokens=args.speculative_tokens, num_scheduler_steps=args.num_scheduler_steps,
+                        enable_lora=args.enable_lora or bool(args.lora_modules))
+
+
+def parse_lora_modules(specs: list[str]) -> list[tuple[str, str]]:
+    """["name=path", ...] → [(name, path)]."""
+    pairs = []
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules {spec!r}: write NAME=PATH (a PEFT adapter directory)")
+        pairs.append((name, path))
+    return pairs
 
 
 def run(args):
@@ -366,7 +411,10 @@ def run(args):
     dtype, why = resolve_dtype(args.dtype)
     logging.getLogger("seekforge.serve").info("dtype: %s", why)
     model, tokenizer = load_model(args.model, dtype)
-    engine = AsyncEngine(LLMEngine(model, tokenizer, engine_config_from_args(args)))
+    core = LLMEngine(model, tokenizer, engine_config_from_args(args))
+    for name, path in parse_lora_modules(args.lora_modules):
+        core.load_lora(name, path)
+    engine = AsyncEngine(core)
     app = build_app(engine, args.served_model_name or args.model, args.api_key, args.trace_dir)
     app.state.tracer.install_signal()
     try:
