@@ -27,7 +27,7 @@ from seekforge.model.moe import GroupedExperts
 from seekforge.quant.awq import awq_block
 from seekforge.quant.gptq import accumulate_hessian, gptq_quantize
 from seekforge.quant.linear import QuantExperts, QuantLinear
-from seekforge.quant.recipe import Recipe, module_names, resolve
+from seekforge.quant.recipe import Recipe, resolve
 from seekforge.quant.schemes import Scheme, qparams, rtn
 from seekforge.quant.smooth import apply_smoothing, consumer_scheme, smoothing_groups
 
@@ -81,7 +81,6 @@ def quantize_model(model: nn.Module, recipe: Recipe, samples: list[torch.Tensor]
         raise ValueError(f"recipe (scheme {recipe.scheme}, method {recipe.method}) needs calibration samples")
     model.eval()
     report = QuantReport()
-    every = module_names(model)
     inputs = None
     if recipe.needs_calibration:
         inputs = []
@@ -96,7 +95,7 @@ def quantize_model(model: nn.Module, recipe: Recipe, samples: list[torch.Tensor]
         if recipe.method == "awq":
             awq_block(block, prefix, plan, inputs, recipe.quant_scheme.weights, report)
         stats = collect_stats(block, prefix, plan, inputs, recipe.method == "gptq") if inputs is not None else {}
-        swap_block(model, block, prefix, plan, every, stats, recipe, report)
+        swap_block(block, prefix, plan, stats, recipe, report)
         if inputs is not None:
             inputs = [(block(x, cos, sin), cos, sin) for x, cos, sin in inputs]
     if "lm_head" in plan:  # outside every block: calibrated on the final norm's outputs
@@ -169,7 +168,7 @@ def expert_stats(experts: GroupedExperts, x, counts, hf: str, stats: dict, with_
         start += n
 
 
-def swap_block(model, block, prefix, plan, every, stats, recipe, report) -> None:
+def swap_block(block, prefix, plan, stats, recipe, report) -> None:
     for path, module in list(block.named_modules()):
         hf = prefix + path
         if isinstance(module, nn.Linear) and hf in plan:
