@@ -5,6 +5,7 @@ Layout under `<out_dir>/checkpoints/`:
     step_000100/        DCP files: model, optimizer, scheduler, step, data-loader position
     step_000100/config.json  the ModelConfig (HF keys), so a checkpoint rebuilds its own model
     step_000100/rank0.pt  rank-local RNG states (torch CPU/CUDA, python, numpy)
+    step_000100/layout.json  the saving layout: every weight's placement (parallel/layout.Layout)
     latest              text file naming the newest complete checkpoint, written last
 
 Any layout → any layout: `get_state_dict` names every weight and optimizer state by its full-model
@@ -43,6 +44,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
+
+from seekforge.parallel.layout import layout_of_model
 
 # Flat optimizer keys ("state.<fqn>.exp_avg") merge across pipeline stages by plain dict union.
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -124,6 +127,9 @@ def save_checkpoint(ckpt_root: str | Path, step: int, model, optimizer=None, sch
     with _quiet_dcp():
         dcp.save(state, checkpoint_id=str(tmp))
     torch.save({"rng": rng_state()}, tmp / f"rank{_rank()}.pt")
+    layout = layout_of_model(modules)  # collective: every rank's placements
+    if _rank() == 0:  # where each weight lived when saved (parallel/layout.py); DCP itself needs no layout
+        layout.save(tmp / "layout.json")
     if _rank() == 0 and hasattr(modules[0], "cfg"):  # self-describing: convert and resume rebuild from it
         (tmp / "config.json").write_text(json.dumps(modules[0].cfg.to_hf(), indent=2))
     _barrier()
