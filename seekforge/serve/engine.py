@@ -358,9 +358,9 @@ class LLM:
 
     def __init__(self, model: str | Transformer = "tiny", tokenizer=None, dtype: str | torch.dtype = "auto",
                  **engine_kwargs):
-        from seekforge.model.load import load_model
         from seekforge.model.precision import resolve_dtype
         from seekforge.model.tokenizer import load_tokenizer
+        from seekforge.quant.load import load_model  # quantized checkpoints too
 
         if isinstance(model, Transformer):
             tokenizer = tokenizer or load_tokenizer("byte")

@@ -40,7 +40,7 @@ class Chunk:
 def num_kv_blocks(model: Transformer, config: EngineConfig) -> int:
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
-    dtype = model.embed_tokens.weight.dtype
+    dtype = torch.int8 if config.kv_cache_dtype == "int8" else model.embed_tokens.weight.dtype
     per_block = bytes_per_block(model.cfg, config.block_size, dtype)
     if config.speculative_tokens:  # the MTP modules keep a latent cache each, on the same block tables
         per_block += per_block * len(model.mtp) // model.cfg.num_hidden_layers
@@ -87,7 +87,8 @@ class Runner:
         self.device = weight.device
 
         def pool(kv_b_name=None):
-            return PagedLatentCache(model.cfg, num_blocks, config.block_size, weight.dtype, weight.device, kv_b_name)
+            return PagedLatentCache(model.cfg, num_blocks, config.block_size, weight.dtype, weight.device, kv_b_name,
+                                    int8=config.kv_cache_dtype == "int8")
 
         self.caches = [pool(f"layers.{i}.self_attn.kv_b_proj") for i in range(len(model.layers))]
         self.mtp_caches = [pool() for _ in model.mtp] if config.speculative_tokens else []

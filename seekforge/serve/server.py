@@ -481,6 +481,8 @@ def add_arguments(p):
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="auto: bfloat16 where the hardware runs it natively (GPU, AVX512-BF16/AMX), else float32")
     p.add_argument("--kv-cache-memory", default="512MiB", help="memory for the paged latent KV cache")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default="auto",
+                   help="int8: cache c_kv and k_pe per token in int8 with an fp32 scale (about 1/2 of bf16's bytes)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -506,7 +508,7 @@ def engine_config_from_args(args):
     return EngineConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=args.max_model_len, enable_chunked_prefill=not args.no_chunked_prefill,
-                        enable_prefix_caching=not args.no_prefix_caching,
+                        enable_prefix_caching=not args.no_prefix_caching, kv_cache_dtype=args.kv_cache_dtype,
                         speculative_tokens=args.speculative_tokens, num_scheduler_steps=args.num_scheduler_steps,
                         enable_lora=args.enable_lora or bool(args.lora_modules))
 
@@ -526,8 +528,8 @@ def run(args):
     import torch
     import uvicorn
 
-    from seekforge.model.load import load_model
     from seekforge.model.precision import resolve_dtype
+    from seekforge.quant.load import load_model  # quantized checkpoints too
     from seekforge.serve.engine import LLMEngine
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
