@@ -283,11 +283,14 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "int8": latents per token in int8 + an fp32 scale
     speculative_tokens: int = 0  # k > 0: the model's MTP modules draft k tokens, one target pass verifies them
     num_scheduler_steps: int = 1  # N > 1: N decode steps per scheduler pass while no prefill waits
     enable_lora: bool = False  # serve LoRA adapters (serve/lora.py), loaded at start or at run time
 
     def __post_init__(self):
+        if self.kv_cache_dtype not in ("auto", "int8"):
+            raise ValueError(f"EngineConfig.kv_cache_dtype={self.kv_cache_dtype!r}: choose 'auto' or 'int8'")
         if not isinstance(self.speculative_tokens, int) or self.speculative_tokens < 0:
             raise ValueError(f"EngineConfig.speculative_tokens={self.speculative_tokens!r}: must be an integer >= 0 "
                              "(0 turns speculative decoding off)")

@@ -61,8 +61,9 @@ class BlockManager:
     # ------------------------------------------------------------------ prefix cache
     def match_prefix(self, seq: Sequence) -> tuple[list[int], list[bytes]]:
         """Cached blocks holding a prefix of seq's tokens. The last token is never matched: the model
-        must run on at least one token to produce the next-token logits."""
-        if not self.enable_prefix_caching:
+        must run on at least one token to produce the next-token logits. A sequence that wants prompt
+        logprobs matches nothing (as in vLLM): a cached block's logits were never kept."""
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return [], []
         blocks, hashes, parent = [], [], b""
         bs = self.block_size

@@ -32,10 +32,11 @@ from seekforge.serve.block_manager import BlockManager
 from seekforge.serve.detokenizer import IncrementalDetokenizer
 from seekforge.serve.lora import LoRAAdapter, load_adapter
 from seekforge.serve.runner import Runner, num_kv_blocks
-from seekforge.serve.sampling import logprob_infos, sample, sample_ids
+from seekforge.serve.sampling import logprob_infos, sample, sample_ids, token_logprobs
 from seekforge.serve.scheduler import Scheduler
 from seekforge.serve.sequence import SamplingParams, Sequence, SequenceUpdate
 from seekforge.serve.spec_decode import SpecDecoder
+from seekforge.serve.structured import GrammarCompiler
 
 log = logging.getLogger("seekforge.serve")
 
@@ -58,6 +59,9 @@ class RequestOutput:
     num_cached_tokens: int  # prompt tokens served by the prefix cache
     ttft: float | None = None  # seconds from arrival to the first token (first completion)
     tpot: float | None = None  # seconds per output token after the first (finished requests)
+    # with SamplingParams.prompt_logprobs: per prompt token as CompletionOutput.logprobs (+ "rank");
+    # the first token's is None (nothing predicts it)
+    prompt_logprobs: list[dict | None] | None = None
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
@@ -96,6 +100,7 @@ class LLMEngine:
             if config.speculative_tokens else None
         self.capacity = num_blocks * config.block_size
         self.eos_token_id = tokenizer.eos_token_id
+        self.grammars = GrammarCompiler(tokenizer, cfg.vocab_size)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.num_steps = 0
@@ -141,7 +146,11 @@ class LLMEngine:
         request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         seqs = [Sequence(request_id, i, prompt_ids, params, max_tokens, self.eos_token_id, cache_salt, lora)
                 for i in range(params.n)]
-        return Request(request_id, prompt_ids, seqs, [IncrementalDetokenizer(self.tokenizer, params.stop)
+        if params.structured is not None:
+            for seq in seqs:  # matcher state is per sequence: each of the n completions advances its own
+                seq.matcher = self.grammars.matcher(params.structured)
+        return Request(request_id, prompt_ids, seqs, [IncrementalDetokenizer(self.tokenizer, params.stop,
+                                                                             params.skip_special_tokens)
                                                       for _ in seqs])
 
     def add(self, request: Request) -> str:
@@ -248,13 +257,15 @@ class LLMEngine:
         return outputs
 
     def _plain_step(self, batch) -> list[SequenceUpdate]:
-        logits, sample_seqs = self.runner.run(batch)
+        logits, sample_seqs, prompt_logits = self.runner.run(batch)
         token_ids, infos = sample(logits, sample_seqs) if sample_seqs else ([], [])
         sampled = {seq.seq_id: (t, i) for seq, t, i in zip(sample_seqs, token_ids, infos, strict=True)}
+        prompt_logits = {seq.seq_id: rows for seq, rows in prompt_logits}
         updates = []
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             token, info = sampled.get(seq.seq_id, (None, None))
-            updates.append(SequenceUpdate(seq, n, 0, [] if token is None else [token], [] if token is None else [info]))
+            updates.append(SequenceUpdate(seq, n, 0, [] if token is None else [token], [] if token is None else [info],
+                                          prompt_logits.get(seq.seq_id)))
         return updates
 
     def _apply(self, update: SequenceUpdate, now: float) -> bool:
@@ -262,11 +273,17 @@ class LLMEngine:
         the computed tokens (accepted drafts count, tokens past a stop do not), register full blocks
         for prefix caching, finish a stopped sequence. True if the sequence got tokens."""
         seq = update.seq
+        if update.prompt_logits is not None:
+            first = len(seq.prompt_logprobs)
+            seq.prompt_logprobs.extend(token_logprobs(update.prompt_logits, seq.token_ids[first:first + len(
+                update.prompt_logits)], seq.params.prompt_logprobs))
         detokenizer = self.requests[seq.request_id].detokenizers[seq.index]
         reason, kept = None, 0
         for token_id, info in zip(update.token_ids, update.infos, strict=True):
             seq.token_ids.append(token_id)
             kept += 1
+            if seq.matcher is not None:
+                seq.matcher.consume_token(token_id)  # the mask allowed it, so the grammar accepts it
             if seq.first_token_time is None:
                 seq.first_token_time = now
             if info is not None:
@@ -289,6 +306,8 @@ class LLMEngine:
             return "stop"
         if detokenizer.add(token_id, check_stop=past_min_tokens):
             return "stop"  # a stop string completed; the text ends just before it
+        if seq.matcher is not None and seq.matcher.is_stopped():
+            return "stop"  # the structured output is complete: the grammar allows nothing more
         if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
@@ -311,8 +330,9 @@ class LLMEngine:
             decode_times = [(s.finish_time - s.first_token_time) / (s.num_output_tokens - 1)
                             for s in seqs if s.finish_time and s.first_token_time and s.num_output_tokens > 1]
             tpot = sum(decode_times) / len(decode_times) if decode_times else None
+        prompt_logprobs = list(seqs[0].prompt_logprobs) if seqs[0].params.prompt_logprobs is not None else None
         return RequestOutput(request.request_id, request.prompt_token_ids, outputs, finished,
-                             seqs[0].num_cached_tokens, ttft, tpot)
+                             seqs[0].num_cached_tokens, ttft, tpot, prompt_logprobs)
 
     def stats(self) -> dict:
         bm = self.block_manager
@@ -338,9 +358,9 @@ class LLM:
 
     def __init__(self, model: str | Transformer = "tiny", tokenizer=None, dtype: str | torch.dtype = "auto",
                  **engine_kwargs):
-        from seekforge.model.load import load_model
         from seekforge.model.precision import resolve_dtype
         from seekforge.model.tokenizer import load_tokenizer
+        from seekforge.quant.load import load_model  # quantized checkpoints too
 
         if isinstance(model, Transformer):
             tokenizer = tokenizer or load_tokenizer("byte")

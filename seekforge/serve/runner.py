@@ -4,7 +4,8 @@ It owns the model and the per-layer paged latent caches (plus one per MTP module
 decoding drafts with them), turns a list of `Chunk`s — the tokens of one sequence a pass computes —
 into one flat batch plus `AttentionMetadata`, and runs the main model or an MTP module over it.
 `run` is the plain step: logits only for the sequences whose chunk reaches their last known token
-(those sample a token this step; a sequence in the middle of a chunked prefill does not).
+(those sample a token this step; a sequence in the middle of a chunked prefill does not), and for a
+sequence that asked for prompt logprobs the logits of its chunk's rows that predict a prompt token.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class Chunk:
 def num_kv_blocks(model: Transformer, config: EngineConfig) -> int:
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
-    dtype = model.embed_tokens.weight.dtype
+    dtype = torch.int8 if config.kv_cache_dtype == "int8" else model.embed_tokens.weight.dtype
     per_block = bytes_per_block(model.cfg, config.block_size, dtype)
     if config.speculative_tokens:  # the MTP modules keep a latent cache each, on the same block tables
         per_block += per_block * len(model.mtp) // model.cfg.num_hidden_layers
@@ -62,6 +63,22 @@ def chunks_of(batch: ScheduledBatch) -> list[Chunk]:
     return chunks
 
 
+def prompt_rows(chunks: list[Chunk], rows: list[int]) -> list[tuple[Sequence, slice]]:
+    """For each chunk (first flat row in `rows`) of a sequence wanting prompt logprobs, the flat rows
+    that predict a prompt token not yet scored: the row at position p predicts token p + 1, and a
+    recompute after preemption skips the tokens already scored."""
+    out = []
+    for c, r in zip(chunks, rows, strict=True):
+        seq = c.seq
+        if seq.params.prompt_logprobs is None:
+            continue
+        first = max(c.start + 1, len(seq.prompt_logprobs))  # target token positions first … last - 1
+        last = min(c.start + len(c.token_ids) + 1, seq.num_prompt_tokens)
+        if first < last:
+            out.append((seq, slice(r + first - 1 - c.start, r + last - 1 - c.start)))
+    return out
+
+
 class Runner:
     def __init__(self, model: Transformer, config: EngineConfig, num_blocks: int):
         self.model = model
@@ -70,7 +87,8 @@ class Runner:
         self.device = weight.device
 
         def pool(kv_b_name=None):
-            return PagedLatentCache(model.cfg, num_blocks, config.block_size, weight.dtype, weight.device, kv_b_name)
+            return PagedLatentCache(model.cfg, num_blocks, config.block_size, weight.dtype, weight.device, kv_b_name,
+                                    int8=config.kv_cache_dtype == "int8")
 
         self.caches = [pool(f"layers.{i}.self_attn.kv_b_proj") for i in range(len(model.layers))]
         self.mtp_caches = [pool() for _ in model.mtp] if config.speculative_tokens else []
@@ -172,15 +190,18 @@ class Runner:
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
-        """One plain step → logits (N, V) fp32 for the N sequences that sample, and those sequences."""
+        """One plain step → logits (N, V) fp32 for the N sequences that sample, those sequences, and for
+        each sequence wanting prompt logprobs the fp32 logits (R, V) of the rows that predict its next R
+        prompt tokens (the first is its token number len(seq.prompt_logprobs))."""
         chunks = chunks_of(batch)
         hidden, rows = self.forward(chunks)
+        prompt_logits = [(seq, self.logits(hidden[r])) for seq, r in prompt_rows(chunks, rows)]
         sample = [(r + len(c.token_ids) - 1, c.seq) for c, r in zip(chunks, rows, strict=True)
                   if c.start + len(c.token_ids) == c.seq.num_tokens]
         if not sample:
-            return hidden.new_empty(0, self.model.cfg.vocab_size).float(), []
+            return hidden.new_empty(0, self.model.cfg.vocab_size).float(), [], prompt_logits
         last = hidden[[r for r, _ in sample]]  # only the sampled rows reach the head
-        return self.logits(last), [s for _, s in sample]
+        return self.logits(last), [s for _, s in sample], prompt_logits
 
     @torch.inference_mode()
     def decode_steps(self, seqs: list[Sequence], num_steps: int, draw) -> list[tuple[torch.Tensor, torch.Tensor]]:

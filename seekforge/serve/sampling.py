@@ -1,8 +1,9 @@
 """Batched sampling: one pass over the (N, V) logits of all sequences that sample this step.
 
 Order, per row: penalties (repetition over prompt + output; presence / frequency over output) →
-stop tokens masked until min_tokens → temperature → top-k, top-p, min-p (one sort serves all three)
-→ draw. Greedy rows take the argmax of the penalized logits.
+the structured-output grammar's mask (structured.py) → stop tokens masked until min_tokens →
+temperature → top-k, top-p, min-p (one sort serves all three) → draw.
+Greedy rows take the argmax of the penalized, masked logits.
 
 The draw uses the exponential-race form of sampling: argmax(p / E) with E ~ Exp(1) i.i.d. picks index
 i with probability p_i, and lets every row draw from its own stream: seeded sequences fill their
@@ -18,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from seekforge.serve.sequence import Sequence
+from seekforge.serve.structured import allowed_tokens
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -62,13 +64,21 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
 
 
 def adjusted_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """logits (N, V) → penalized, with stop tokens masked until min_tokens: what greedy rows argmax
-    and sampled rows scale by temperature. Returns `logits` itself when nothing applies."""
+    """logits (N, V) → penalized, masked to what each row's grammar allows next, with stop tokens
+    masked until min_tokens: what greedy rows argmax and sampled rows scale by temperature. Returns
+    `logits` itself when nothing applies. A row's mask is its matcher's current state, so each row
+    must be its sequence's next token (no speculative draft rows for constrained sequences)."""
     if any(s.params.has_penalties for s in seqs):
         logits = apply_penalties(logits, seqs)
     masked = logits
+    constrained = [i for i, s in enumerate(seqs) if s.matcher is not None]
+    if constrained:  # structured output: only the tokens the grammar allows next
+        allowed = allowed_tokens([seqs[i].matcher for i in constrained], logits.shape[1]).to(logits.device)
+        masked = logits.clone()
+        masked[constrained] = masked[constrained].masked_fill(~allowed, float("-inf"))
     for i, seq in enumerate(seqs):
-        if seq.num_output_tokens < seq.params.min_tokens and seq.stop_token_ids:
+        # (not under a grammar: where it allows only EOS, masking EOS would leave nothing to sample)
+        if seq.num_output_tokens < seq.params.min_tokens and seq.stop_token_ids and seq.matcher is None:
             if masked is logits:
                 masked = logits.clone()
             masked[i, list(seq.stop_token_ids)] = float("-inf")
@@ -143,3 +153,16 @@ def logprob_infos(raw: torch.Tensor, next_ids: torch.Tensor, seqs: list[Sequence
             top_pairs = list(zip(top.indices[j, :ki].tolist(), top.values[j, :ki].tolist(), strict=True)) if ki else []
             infos[i] = {"token_id": token_ids[i], "logprob": chosen[j], "top": top_pairs}
     return infos
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], k: int) -> list[dict]:
+    """logits (R, V) fp32 and the R tokens that followed → per row {"token_id", "logprob", "rank" (1 =
+    the most likely token), "top": [(id, logprob)] × k}: prompt logprobs, as vLLM reports them."""
+    logp = logits.log_softmax(dim=-1)
+    targets = torch.tensor(token_ids, device=logits.device)[:, None]  # (R, 1)
+    chosen = logp.gather(1, targets)  # (R, 1)
+    ranks = (logp > chosen).sum(dim=-1) + 1
+    top = logp.topk(k, dim=-1) if k else None
+    return [{"token_id": t, "logprob": lp, "rank": r,
+             "top": list(zip(top.indices[i].tolist(), top.values[i].tolist(), strict=True)) if k else []}
+            for i, (t, lp, r) in enumerate(zip(token_ids, chosen[:, 0].tolist(), ranks.tolist(), strict=True))]

@@ -109,14 +109,15 @@ class Scheduler:
     def num_decode_steps(self, batch: ScheduledBatch, max_model_len: int) -> int:
         """How many decode steps this pass may run (`num_scheduler_steps`, multi-step scheduling): 1 unless
         every scheduled sequence decodes, nothing waits for admission, no sequence needs Python-side
-        state between steps (penalties count the output, min_tokens masks stop tokens), and each has
+        state between steps (penalties count the output, min_tokens masks stop tokens, a grammar's
+        matcher must consume each token before it masks the next), and each has
         room: at most its remaining tokens, with blocks pre-allocated for all of them."""
         num_steps = self.config.num_scheduler_steps
         if num_steps == 1 or self.waiting:
             return 1
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             if n != 1 or seq.num_computed_tokens != seq.num_tokens - 1 or seq.params.has_penalties or \
-                    seq.num_output_tokens < seq.params.min_tokens:
+                    seq.num_output_tokens < seq.params.min_tokens or seq.matcher is not None:
                 return 1
             num_steps = min(num_steps, seq.max_tokens - seq.num_output_tokens, max_model_len - seq.num_tokens)
         if num_steps > 1 and all(self.block_manager.allocate(seq, num_steps) for seq in batch.seqs):

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from seekforge.serve.structured import StructuredOutput
+
 
 @dataclass
 class SamplingParams:
@@ -35,6 +37,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k >= 0: the chosen token's logprob and the top k
+    prompt_logprobs: int | None = None  # vLLM: None off; k >= 0: each prompt token's logprob and the top k
+    structured: StructuredOutput | None = None  # a grammar the output must follow (structured.py)
+    skip_special_tokens: bool = True  # vLLM: leave special tokens out of the text
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -64,8 +69,9 @@ class SamplingParams:
         for key in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, key) <= 2:
                 bad(key, "must be in [-2, 2]")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            bad("logprobs", "must be in [0, 20]")
+        for key in ("logprobs", "prompt_logprobs"):
+            if getattr(self, key) is not None and not 0 <= getattr(self, key) <= 20:
+                bad(key, "must be in [0, 20]")
 
     @property
     def greedy(self) -> bool:
@@ -113,7 +119,10 @@ class Sequence:
         # yet verified, and per draft the distribution it was drawn from (d, V) (None for greedy).
         self.draft_token_ids: list[int] = []
         self.draft_probs: torch.Tensor | None = None
+        self.matcher = None  # with params.structured: this sequence's llguidance matcher (set by the engine)
         self.logprobs: list[dict] = []  # per output token: {"token_id", "logprob", "top": [(id, logprob)]}
+        # per prompt token, as logprobs (+ "rank"), once computed; the first token has none (None)
+        self.prompt_logprobs: list[dict | None] = [None] if params.prompt_logprobs is not None else []
         self.finish_reason: str | None = None
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
@@ -161,11 +170,15 @@ class SequenceUpdate:
     num_accepted: int = 0
     token_ids: list[int] = field(default_factory=list)
     infos: list[dict | None] = field(default_factory=list)
+    # with SamplingParams.prompt_logprobs: fp32 logits (R, V) of the rows that predicted the sequence's
+    # next R unscored prompt tokens (the first is token number len(seq.prompt_logprobs))
+    prompt_logits: torch.Tensor | None = None
 
 
 class SequenceAhead:
     """A view of `seq` as it will be once `extra` tokens follow it: what sampling reads (penalties over
-    the output so far, min_tokens, the generator), for scoring a draft's position before it is accepted."""
+    the output so far, min_tokens, the generator, the grammar matcher), for scoring a draft's position
+    before it is accepted."""
 
     def __init__(self, seq: Sequence, extra: list[int]):
         self.params = seq.params
@@ -173,6 +186,10 @@ class SequenceAhead:
         self.num_prompt_tokens = seq.num_prompt_tokens
         self.stop_token_ids = seq.stop_token_ids
         self.generator = seq.generator
+        # a grammar's mask is its matcher's current state, right only with no extra tokens: constrained
+        # sequences get no drafts (SpecDecoder.propose), so their rows are never scored ahead
+        assert not (extra and seq.matcher is not None), "a constrained sequence has no drafts to score"
+        self.matcher = seq.matcher
 
     num_output_tokens = Sequence.num_output_tokens  # the same properties over the extended tokens
     output_token_ids = Sequence.output_token_ids

@@ -15,6 +15,9 @@ Per engine step (`--speculative-tokens k`):
             position drafts d1. Draft s > 1 chains at position t+s-1 from draft s-1's output (before
             the module's norm) and d_{s-1}, with module min(s, D) of the D MTP modules — the last one
             repeated when k > D, as vLLM and SGLang do.
+Structured-output sequences (a grammar matcher) are never drafted for, so in a verify pass they
+score one row under their grammar's current mask, as a plain step would; the batch around them still
+speculates. Prompt logprobs come from the verified prefill rows, as in Runner.run.
 
 Shape legend: N sequences, K most drafts of any, V vocabulary, H hidden.
 """
@@ -24,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from seekforge.serve.block_manager import BlockManager
-from seekforge.serve.runner import Chunk, Runner, chunks_of
+from seekforge.serve.runner import Chunk, Runner, chunks_of, prompt_rows
 from seekforge.serve.sampling import adjusted_logits, exponential_noise, logprob_infos, token_probs
 from seekforge.serve.scheduler import ScheduledBatch
 from seekforge.serve.sequence import Sequence, SequenceAhead, SequenceUpdate
@@ -92,11 +95,13 @@ class SpecDecoder:
         chunks = chunks_of(batch)
         hidden, rows = runner.forward(chunks)  # (T, H) before the final norm
         normed = runner.model.norm(hidden)
+        # prompt logprobs come from prefill rows, which carry no drafts: the same rows as a plain step's
+        prompt = {seq.seq_id: runner.model.lm_head(normed[r]).float() for seq, r in prompt_rows(chunks, rows)}
         updates, sampling = [], []
         for c, r in zip(chunks, rows, strict=True):
             num_drafts = len(c.seq.draft_token_ids[:len(c.token_ids) - 1]) if c.decode else 0
             num_real = len(c.token_ids) - num_drafts
-            updates.append(SequenceUpdate(c.seq, num_real))
+            updates.append(SequenceUpdate(c.seq, num_real, prompt_logits=prompt.get(c.seq.seq_id)))
             if c.start + num_real == c.seq.num_tokens:  # reaches its last known token: samples
                 sampling.append((updates[-1], r + num_real - 1, num_drafts))
             self._pending.append((c, normed[r:r + len(c.token_ids)]))
@@ -155,7 +160,9 @@ class SpecDecoder:
         chunks, h_prev = [], []
         for c, normed in pending:
             seq = c.seq
-            if seq.is_finished:
+            # a constrained sequence gets no drafts: scoring them would need its grammar matcher advanced
+            # over unverified tokens and rolled back on rejection; it verifies just its one real token
+            if seq.is_finished or seq.matcher is not None:
                 continue
             verified = seq.num_computed_tokens - c.start  # positions c.start … whose latents were kept
             if verified <= 0:
