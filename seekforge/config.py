@@ -477,6 +477,9 @@ class TrainConfig:
     save_interval: int = 100  # 0: save only at the end
     keep_checkpoints: int = 2
     resume: bool = True  # continue from out_dir/checkpoints/latest when it exists
+    # A damaged latest checkpoint (its manifest disagrees with its files): resume from the newest intact
+    # older one with a warning; False stops with an error naming the bad file instead.
+    checkpoint_fallback: bool = True
     peak_flops: float = 0.0  # FLOP/s for MFU; 0: measure with a matmul probe
     export_hf: bool = True  # write out_dir/hf at the end
     sample_prompt: str = "The "  # printed generation at the end; "" skips it

@@ -69,6 +69,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch.compile each block (default: off)")
     p.add_argument("--no-resume", dest="resume", action="store_false", default=argparse.SUPPRESS,
                    help="start fresh even if OUT_DIR holds checkpoints (they are overwritten)")
+    p.add_argument("--no-checkpoint-fallback", dest="checkpoint_fallback", action="store_false",
+                   default=argparse.SUPPRESS, help="a damaged latest checkpoint is an error, not a fallback to "
+                                                   "the newest intact older one")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="any TrainConfig field, e.g. --set warmup=50 --set model.num_hidden_layers=4; "
                         "fields are listed in seekforge/config.py (TrainConfig)")
@@ -76,8 +79,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args) -> TrainConfig:
     given = vars(args)
-    updates = {field: given[field] for field in [f[1] for f in _FLAGS] + ["compile", "resume", "preset"]
-               if field in given}
+    fields = [f[1] for f in _FLAGS] + ["compile", "resume", "checkpoint_fallback", "preset"]
+    updates = {field: given[field] for field in fields if field in given}
     if "name" in given:
         updates["out_dir"] = str(Path("runs") / given["name"])
     if "config" not in given and "preset" not in given:

@@ -102,7 +102,7 @@ def pretrain(cfg: TrainConfig) -> list[dict]:
     torch.manual_seed(cfg.seed)
     tokenizer = load_tokenizer(cfg.tokenizer)
     model_cfg = resolve_model_config(cfg, tokenizer)
-    latest = latest_checkpoint(out_dir / "checkpoints") if cfg.resume else None
+    latest = latest_checkpoint(out_dir / "checkpoints", cfg.checkpoint_fallback) if cfg.resume else None
     if latest is not None and (latest / "config.json").exists():
         model_cfg = ModelConfig.from_hf(latest)
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))

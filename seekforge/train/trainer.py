@@ -113,7 +113,7 @@ class Trainer:
     # ------------------------------------------------------------------ state
     def resume(self, path: str | Path | None = None) -> bool:
         """Load `path` or the latest checkpoint under out_dir; False when there is none."""
-        path = path or latest_checkpoint(self.ckpt_root)
+        path = path or latest_checkpoint(self.ckpt_root, self.cfg.checkpoint_fallback)
         if path is None:
             return False
         self.step = load_checkpoint(path, self.modules, self.optimizers, self.schedulers[0], self.loader)
