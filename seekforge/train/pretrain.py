@@ -143,7 +143,7 @@ def pretrain(cfg: TrainConfig) -> list[dict]:
 
     owns_process_group = pc is not None and not dist.is_initialized()
     if owns_process_group:
-        init_distributed()
+        init_distributed(timeout_s=cfg.dist_timeout_s)
     try:
         return _train(cfg, pc, model_cfg, tokenizer, latest, out_dir)
     finally:
