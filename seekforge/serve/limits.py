@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import signal
 import time
 from dataclasses import dataclass
 
@@ -248,7 +249,10 @@ def serve(app, limits: ServerLimits, host: str, port: int, log_level: str) -> No
 
     def drain_then_exit(sig, frame):
         guarded.begin_drain()
-        handle_exit(sig, frame)
+        if sig == signal.SIGTERM:  # a drained stop is a clean one: exit 0 (uvicorn would re-raise the signal)
+            server.should_exit = True
+        else:
+            handle_exit(sig, frame)  # Ctrl-C: a second one forces the exit
 
     server.handle_exit = drain_then_exit
     server.run()

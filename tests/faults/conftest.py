@@ -8,6 +8,9 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 ROOT = Path(__file__).resolve().parents[2]
 INJECT = Path(__file__).with_name("inject.py")  # `python inject.py VERB ...`: seekforge + env-driven faults
 
@@ -49,3 +52,19 @@ def flip_bit(path: Path) -> None:
         byte = f.read(1)[0]
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte ^ 0x10]))
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    from seekforge.config import preset
+    from seekforge.model.model import build_model
+
+    torch.set_num_threads(1)
+    return build_model(preset("tiny"), seed=0).eval()
+
+
+@pytest.fixture(scope="module")
+def byte_tokenizer():
+    from seekforge.model.tokenizer import load_tokenizer
+
+    return load_tokenizer("byte")
