@@ -29,8 +29,7 @@ MALFORMED = [
     ("negative temperature", "POST", "/v1/completions", {"model": MODEL, "prompt": "x", "temperature": -1}),
     ("body too large", "POST", "/v1/completions", {"model": MODEL, "prompt": "x" * (2 << 20)}),
     ("chat without messages", "POST", "/v1/chat/completions", {"model": MODEL}),
-    ("chat bad role", "POST", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "robot",
-                                                                                        "content": "hi"}]}),
+    ("chat messages not a list", "POST", "/v1/chat/completions", {"model": MODEL, "messages": "hi"}),
     ("GET on a POST route", "GET", "/v1/completions", None),
     ("no such route", "POST", "/v1/nothing", {"model": MODEL}),
 ]

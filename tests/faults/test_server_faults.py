@@ -161,7 +161,8 @@ def run_soak_and_drain(clients: int, seed: int = 0) -> dict:
 
 def _check(result: dict, clients: int) -> None:
     seen, gauges = result["seen"], result["gauges"]
-    print(json.dumps({k: v for k, v in sorted(seen.items())}, indent=1))
+    print(json.dumps({**{k: v for k, v in sorted(seen.items()) if ":" not in k}, "exit": result["exit"],
+                      "drain_s": round(result["drain_s"], 2), **gauges}, indent=1))
     assert seen["status>=500"] == 0, seen
     assert sum(v for k, v in seen.items() if k.startswith(("valid", "hang-up", "malformed "))) == clients
     assert set(k for k in seen if k.startswith("valid ")) == {"valid 200"}, seen
