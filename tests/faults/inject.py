@@ -35,8 +35,8 @@ def install(fault: str) -> None:
 
         def faulty_step(self):
             if self.step + 1 == step:
-                print(f"inject: {kind} rank {os.environ.get('RANK', '0')} before step {step}", file=sys.stderr,
-                      flush=True)
+                print(f"inject: {kind} rank {os.environ.get('RANK', '0')} before step {step} at {time.time():.3f}",
+                      file=sys.stderr, flush=True)
                 if kind == "kill":
                     _die()
                 time.sleep(10**6)

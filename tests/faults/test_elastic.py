@@ -5,7 +5,9 @@ restarted job resumes from the last checkpoint and ends with the uninterrupted r
 from __future__ import annotations
 
 import json
+import re
 import subprocess
+import time
 
 import pytest
 
@@ -31,6 +33,15 @@ def single(tmp_path_factory):
     return final_record(run)
 
 
+def stop_latency(stderr: str) -> float:
+    """Seconds from the injected fault to torchrun's report of the failed worker (its log's clock)."""
+    injected = float(re.search(r"inject: \w+ rank \d+ before step \d+ at ([0-9.]+)", stderr).group(1))
+    hms = re.search(r"E\d{4} (\d+):(\d+):([0-9.]+) .*failed \(exitcode", stderr).groups()
+    day = time.time() - time.time() % 86400 + time.timezone  # torchrun logs local wall-clock time
+    reported = day + int(hms[0]) * 3600 + int(hms[1]) * 60 + float(hms[2])
+    return (reported - injected) % 86400
+
+
 def _attempts(run_dir) -> list[int]:
     """Per metrics line, the step: a restarted job appends the steps it redoes."""
     return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -42,6 +53,7 @@ def test_killed_rank_restarts_from_checkpoint_with_same_loss(single, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "exitcode: -9" in done.stderr and "local_rank: 1" in done.stderr  # torchrun saw the SIGKILL
     assert "resumed from" in done.stdout and "step_000002" in done.stdout
+    print(f"killed rank 1 before step 4: torchrun reported the failure {stop_latency(done.stderr):.1f} s later")
     assert _attempts(run) == [1, 2, 3, 3, 4, 5, 6]  # step 3 redone from the step-2 checkpoint: nothing else lost
     got = final_record(run)
     for key in ("loss", "lm_loss", "mtp_loss"):
@@ -54,6 +66,7 @@ def test_hung_rank_is_named_then_restarted(single, tmp_path):
     done = torchrun(run, "hang:4", "--set", "dist_timeout_s=8")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "rank(s) 1 did not respond: hung or dead" in done.stderr, done.stderr[-3000:]
+    print(f"hung rank 1 before step 4 (timeout 8 s): failure reported {stop_latency(done.stderr):.1f} s later")
     got = final_record(run)
     assert abs(got["loss"] - single["loss"]) <= LOSS_TOL
 
