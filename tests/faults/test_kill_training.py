@@ -49,24 +49,32 @@ def test_kill_at_a_chosen_moment_then_rerun(straight, tmp_path, fault):
     _same_result(straight, run)
 
 
+def _lines(path) -> int:
+    return path.read_text().count("\n") if path.exists() else 0
+
+
 @pytest.mark.slow
 def test_ten_sigkills_at_random_moments(straight, tmp_path):
-    """Each attempt is killed after a random 2-12 s (startup, a step or a save), then the same command
-    runs again; the eleventh runs to the end."""
+    """Each attempt is killed at a random moment of its training (0-1.5 s after it logs its first
+    step: a step takes ~0.2-0.5 s here and every second step saves), then the same command runs
+    again; after ten kills the last attempt runs to the end."""
     run, rng, kills = tmp_path / "run", random.Random(0), 0
+    metrics = run / "metrics.jsonl"
     while kills < 10:
+        before = _lines(metrics)
         proc = _run(run)
-        time.sleep(rng.uniform(2.0, 12.0))
+        while proc.poll() is None and _lines(metrics) == before:
+            time.sleep(0.05)
+        time.sleep(rng.uniform(0.0, 1.5))
         if proc.poll() is not None:
             break  # finished before this kill
         proc.kill()
         proc.wait()
         kills += 1
         latest = run / "checkpoints" / "latest"
-        logged = (run / "metrics.jsonl").read_text().count("\n") if (run / "metrics.jsonl").exists() else 0
-        print(f"kill {kills}: latest={latest.read_text().strip() if latest.exists() else None}, "
-              f"{logged} step lines logged, leftovers={[p.name for p in (run / 'checkpoints').glob('*.tmp')]}"
-              if (run / "checkpoints").exists() else f"kill {kills}: before the first checkpoint")
+        print(f"kill {kills}: {_lines(metrics) - before} step(s) logged by this attempt, latest="
+              f"{latest.read_text().strip() if latest.exists() else None}, "
+              f"partial saves left: {[p.name for p in (run / 'checkpoints').glob('*.tmp')]}")
     print(f"{kills} SIGKILLs")
     done = _run(run)
     assert done.wait(timeout=300) == 0, done.stderr.read()[-2000:]
