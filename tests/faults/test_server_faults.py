@@ -140,7 +140,12 @@ async def _streams_then_sigterm(base_url: str, proc: subprocess.Popen, count: in
         await asyncio.wait_for(started.wait(), 60)
         proc.send_signal(signal.SIGTERM)
         sent = time.monotonic()
-        return sent, await asyncio.gather(*tasks)
+        await asyncio.sleep(0.3)
+        try:  # admission has stopped: a 503, or the listening socket is already closed
+            late = (await c.post("/v1/completions", json={"model": "tiny", "prompt": "x"})).status_code
+        except httpx.TransportError:
+            late = "refused"
+        return sent, late, await asyncio.gather(*tasks)
 
 
 def run_soak_and_drain(clients: int, seed: int = 0) -> dict:
@@ -150,9 +155,9 @@ def run_soak_and_drain(clients: int, seed: int = 0) -> dict:
     try:
         seen = asyncio.run(soak(base_url, clients, seed))
         gauges = _wait_idle(base_url)
-        sigterm_at, lasts = asyncio.run(_streams_then_sigterm(base_url, proc, 3))
+        sigterm_at, late, lasts = asyncio.run(_streams_then_sigterm(base_url, proc, 3))
         code = proc.wait(timeout=60)
-        return {"seen": seen, "gauges": gauges, "lasts": lasts, "exit": code,
+        return {"seen": seen, "gauges": gauges, "lasts": lasts, "exit": code, "late": late,
                 "sigterm_to_exit_s": time.monotonic() - sigterm_at, "log": proc.stdout.read()}
     finally:
         if proc.poll() is None:
@@ -163,6 +168,7 @@ def _check(result: dict, clients: int) -> None:
     seen, gauges = result["seen"], result["gauges"]
     engine = {k: v for k, v in gauges.items() if k.endswith(("running", "waiting", "usage_ratio"))}
     print(json.dumps({**{k: v for k, v in sorted(seen.items()) if ":" not in k}, "exit": result["exit"],
+                      "request after SIGTERM": result["late"],
                       "sigterm_to_exit_s": round(result["sigterm_to_exit_s"], 2), **engine}, indent=1))
     assert seen["status>=500"] == 0, seen
     assert sum(v for k, v in seen.items() if k.startswith(("valid", "hang-up", "malformed "))) == clients
@@ -171,6 +177,7 @@ def _check(result: dict, clients: int) -> None:
     assert gauges["seekforge_kv_cache_usage_ratio"] == 0 and gauges["seekforge_num_requests_running"] == 0, gauges
     for last in result["lasts"]:  # cut by the drain: a final error event, then [DONE]
         assert last[-1] == "data: [DONE]" and "shut down before this request finished" in last[0], last
+    assert result["late"] in (503, "refused"), result["late"]
     assert result["exit"] == 0, result["log"][-3000:]
 
 
