@@ -19,6 +19,7 @@ a client disconnect (server.py's comment on require_key).
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import math
 import signal
@@ -256,3 +257,7 @@ def serve(app, limits: ServerLimits, host: str, port: int, log_level: str) -> No
 
     server.handle_exit = drain_then_exit
     server.run()
+    # The interpreter's final garbage collection walks every object the engine made (tens of
+    # thousands of KV block records): measured 13 s after a SIGTERM on a loaded 2-core machine, past
+    # any grace period. Nothing left needs a finalizer run by the collector, so skip that pass.
+    gc.freeze()
