@@ -1,7 +1,9 @@
 """One GRPO iteration: seekforge's GRPOTrainer vs TRL's GRPOTrainer, same model, same settings.
 
 An iteration = rollout of 8 prompts × G = 8 completions of up to 128 new tokens (temperature 1) +
-rewards + the training phase (one optimizer step, dapo loss, β = 0, fp32 on CPU). Same model (the
+rewards + the training phase (one optimizer step, dapo loss, β = 0). Both sides compute in the same
+dtype: `--dtype auto` (the default) is bf16 autocast over fp32 master weights where the CPU runs bf16
+matmuls natively (AVX512-BF16/AMX; TRL: `bf16=True`), fp32 elsewhere. Same model (the
 `small` preset without MTP, random weights, saved once as an HF checkpoint both sides load), same
 byte-level tokenizer (a tokenizer.json both sides read), same prompts (the arithmetic task's), same
 reward (exact answer). Random weights rarely emit end-of-sequence, so both sides generate close to
@@ -15,7 +17,7 @@ construction; each runs two iterations and the second (warm) one is timed (TRL: 
 the peak RSS of each child is its own. seekforge also runs with the memory swap off (KV pool kept through training), to
 show what the swap saves.
 
-    PYTHONPATH=. python benchmarks/grpo_step.py [--preset small] [--threads N]
+    PYTHONPATH=. python benchmarks/grpo_step.py [--preset small] [--threads N] [--dtype auto|bf16|fp32]
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import time
 from pathlib import Path
 
 import torch
+from machine import dtype_arg, machine_header  # benchmarks/machine.py
 
 PROMPTS, G, MAX_NEW = 8, 8, 128
 
@@ -83,7 +86,7 @@ def prompts_and_answers():
     return stream.prompts(0, PROMPTS) + stream.prompts(1, PROMPTS)
 
 
-def run_seekforge(workdir: Path, swap: bool) -> dict:
+def run_seekforge(workdir: Path, swap: bool, dtype: str) -> dict:
     from seekforge.model.load import load_model
     from seekforge.rl.config import GRPOConfig
     from seekforge.rl.trainer import GRPOTrainer
@@ -91,7 +94,7 @@ def run_seekforge(workdir: Path, swap: bool) -> dict:
     policy, tokenizer = load_model(str(workdir), torch.float32)
     cfg = GRPOConfig(base=str(workdir), task_levels=[1, 2, 3], prompts_per_step=PROMPTS, group_size=G,
                      max_new_tokens=MAX_NEW, temperature=1.0, loss_type="dapo", beta=0.0, lr=1e-6, swap=swap,
-                     kv_cache_memory="512MiB", eval_prompts=0, out_dir=str(workdir / "sf_run"))
+                     kv_cache_memory="512MiB", eval_prompts=0, dtype=dtype, out_dir=str(workdir / "sf_run"))
     trainer = GRPOTrainer(cfg, policy, tokenizer)
     trainer.step()  # warm-up
     start = time.perf_counter()
@@ -101,7 +104,7 @@ def run_seekforge(workdir: Path, swap: bool) -> dict:
             "rollout_s": metrics["rollout_time_s"], "train_s": metrics["train_time_s"]}
 
 
-def run_trl(workdir: Path) -> dict:
+def run_trl(workdir: Path, dtype: str) -> dict:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -130,7 +133,7 @@ def run_trl(workdir: Path) -> dict:
     args = GRPOConfig(output_dir=str(workdir / "trl_run"), per_device_train_batch_size=PROMPTS * G, num_generations=G,
                       max_completion_length=MAX_NEW, max_steps=2, shuffle_dataset=False, learning_rate=1e-6,
                       beta=0.0, loss_type="dapo",
-                      epsilon_high=0.28, temperature=1.0, use_cpu=True, bf16=False, report_to="none",
+                      epsilon_high=0.28, temperature=1.0, use_cpu=True, bf16=dtype == "bf16", report_to="none",
                       save_strategy="no", logging_steps=1, disable_tqdm=True, seed=0)
     trainer = GRPOTrainer(model=model, reward_funcs=exact_answer, args=args, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[timer])
@@ -140,10 +143,10 @@ def run_trl(workdir: Path) -> dict:
     return {"seconds": timer.durations[-1], "completion_tokens": tokens}
 
 
-def child(which: str, workdir: Path, threads: int | None) -> None:
+def child(which: str, workdir: Path, threads: int | None, dtype: str) -> None:
     if threads:
         torch.set_num_threads(threads)
-    result = run_trl(workdir) if which == "trl" else run_seekforge(workdir, swap=which == "seekforge")
+    result = run_trl(workdir, dtype) if which == "trl" else run_seekforge(workdir, which == "seekforge", dtype)
     result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print("RESULT " + json.dumps(result), flush=True)
 
@@ -152,19 +155,24 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="small")
     parser.add_argument("--threads", type=int, default=None)
+    dtype_arg(parser)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        return child(args.child, Path(args.workdir), args.threads)
-    print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, fp32, preset {args.preset} (no MTP), "
-          f"{PROMPTS} prompts x G={G}, up to {MAX_NEW} new tokens, one optimizer step")
+        return child(args.child, Path(args.workdir), args.threads, args.dtype)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype, _ = machine_header(args.dtype)
+    args.dtype = "bf16" if dtype == torch.bfloat16 else "fp32"  # both sides get the resolved dtype
+    print(f"preset {args.preset} (no MTP), {PROMPTS} prompts x G={G}, up to {MAX_NEW} new tokens, one optimizer "
+          f"step; both sides in {args.dtype}")
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         prepare(workdir, args.preset)
         results = {}
         for which in ("seekforge", "seekforge-noswap", "trl"):
-            cmd = [sys.executable, __file__, "--child", which, "--workdir", tmp]
+            cmd = [sys.executable, __file__, "--child", which, "--workdir", tmp, "--dtype", args.dtype]
             if args.threads:
                 cmd += ["--threads", str(args.threads)]
             out = subprocess.run(cmd, capture_output=True, text=True)

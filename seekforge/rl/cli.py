@@ -5,9 +5,10 @@ arithmetic task (a few minutes; reused when already there), then improves it wit
 task's exact-answer reward, writing runs/grpo/{metrics.jsonl, tensorboard/, reward.png,
 checkpoints/, base/}. An existing run in --out-dir resumes from its latest checkpoint.
 
-Under torchrun (`torchrun --nproc-per-node 2 -m seekforge.cli grpo ...`) every rank holds a policy
-replica and its own engine, rolls out its balanced share of the prompts and trains its share of the
-sequences; gradients are summed over ranks, so the run equals the one-process run.
+Under torchrun (`torchrun --nproc-per-node 2 -m seekforge.cli grpo ...`) the policy and its optimizer
+state are FSDP-sharded over the ranks (`--set fsdp=false`: full replicas); every rank has its own
+engine, rolls out its balanced share of the prompts and trains its share of the sequences; gradients
+are summed over ranks, so the run equals the one-process run.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ _FLAGS = [
     ("--lr", "lr", float, "learning rate"),
     ("--beta", "beta", float, "KL-to-reference coefficient (0: no reference model)"),
     ("--seed", "seed", int, "prompts, sampling and the built-in base"),
+    ("--dtype", "dtype", str, "compute dtype: auto | bf16 | fp32 (master weights stay fp32)"),
     ("--out-dir", "out_dir", str, "run directory"),
 ]
 _DEFAULTS = GRPOConfig()
@@ -137,6 +139,7 @@ def _grpo(cfg: GRPOConfig) -> None:
         f"G={cfg.group_size} per step, {cfg.steps} steps, loss {cfg.loss_type}, beta {cfg.beta}, mu {cfg.mu}; "
         f"rewards {dict(zip(cfg.rewards, cfg.reward_weights, strict=True))}"
         + (f"; {dist.get_world_size()} data-parallel ranks" if dist.is_initialized() else ""))
+    say(f"compute dtype: {trainer.dtype_reason}")
     trainer.fit()
     if not is_main:
         return

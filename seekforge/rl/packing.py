@@ -75,6 +75,16 @@ def pack_sequences(prompts: list[list[int]], completions: list[list[int]], max_p
     return rows
 
 
+def empty_row() -> PackedRow:
+    """A one-token row that scores nothing: its forward and backward run every collective a sharded
+    model's real rows run (FSDP: one all-gather and reduce-scatter per group) and add nothing, so a rank
+    with fewer rows keeps in step with the others."""
+    nothing = torch.zeros(0, dtype=torch.long)
+    return PackedRow(input_ids=torch.zeros(1, 1, dtype=torch.long), positions=torch.zeros(1, 1, dtype=torch.long),
+                     segment_ids=torch.zeros(1, 1, dtype=torch.long), score_index=nothing, targets=nothing,
+                     sequence_of_token=nothing, sequences=[])
+
+
 def row_log_probs(model, row: PackedRow) -> tuple[torch.Tensor, torch.Tensor]:
     """→ (log p of each scored token, its entropy), both (C,) fp32. Only the scored positions go through
     the final norm and the head: the prompt's logits are never needed."""

@@ -8,13 +8,17 @@ One iteration (`step`):
   3. old log-probs (when μ > 1) and reference log-probs (when β > 0) on the same packed rows;
   4. μ optimizer steps over the whole batch, each the sum of the rows' gradients (rl/update.py);
   5. the prefix cache is dropped: the engine's next request sees the new weights.
-Under torchrun each rank runs this with its own policy replica and engine (see the data-parallel
-helpers at the end). Training state lives in train/'s checkpoint format (DCP: policy, optimizer, scheduler, the prompt
-position, RNG); the reference model is the base checkpoint, rebuilt from it on resume.
+Under torchrun each rank runs this with its own engine; the policy is FSDP-sharded over the ranks
+(`fsdp`, the default; the engine then holds a full replica that each update refreshes in memory) or
+replicated (see the data-parallel helpers at the end). Training state lives in train/'s checkpoint
+format (DCP: policy, optimizer, scheduler, the prompt position, RNG); the reference model is the base
+checkpoint, rebuilt from it on resume.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import math
 import random
 import time
@@ -26,11 +30,14 @@ from tqdm import tqdm
 
 from seekforge.config import EngineConfig, TrainConfig
 from seekforge.data.corpora import ArithmeticTask, check_answer
+from seekforge.model.dtensor import plain_tensor
+from seekforge.model.precision import resolve_dtype
+from seekforge.parallel.fsdp import apply_fsdp
 from seekforge.probe.training import TrainingProbe
 from seekforge.rl.algorithm import BatchTotals, group_advantages
 from seekforge.rl.balance import balance_groups
 from seekforge.rl.config import GRPOConfig
-from seekforge.rl.packing import pack_sequences
+from seekforge.rl.packing import empty_row, pack_sequences
 from seekforge.rl.rewards import RewardSet
 from seekforge.rl.rollout import Rollout, offload
 from seekforge.rl.update import LossSettings, TrainingBatch, accumulate_gradients, sequence_log_probs
@@ -81,6 +88,12 @@ def encode_prompt(tokenizer, prompt: str) -> list[int]:
     return [tokenizer.eos_token_id, *tokenizer.encode(prompt)]
 
 
+# Below this width, bf16 autocast is slower than fp32 even on CPUs with native bf16 matmuls: the built-in
+# base (hidden 128) took 3.3 s of CPU per iteration in bf16 against 1.3 s in fp32 (AVX512-BF16, one
+# thread), while the `small` preset (hidden 512) runs faster in bf16 (BENCHMARKS.md, GRPO).
+_MIN_BF16_HIDDEN = 256
+
+
 class GRPOTrainer:
     def __init__(self, cfg: GRPOConfig, policy, tokenizer, reference=None, out_dir: str | Path | None = None):
         """policy: the Transformer to train (the engine runs on this very module); reference: a frozen
@@ -93,6 +106,20 @@ class GRPOTrainer:
         # GRPO trains the next-token head only: MTP modules get no gradient, so they are not trained
         # (and the optimizer keeps no state for them, which a checkpoint's optimizer state must match).
         policy.mtp.requires_grad_(False)
+        # The compute dtype: bf16 autocast over the fp32 master weights where the hardware runs bf16
+        # matmuls natively (model/precision.py). The engine generates on the policy's own tensors when
+        # it can; on a replica in the compute dtype (bf16) or when the policy is FSDP-sharded (under
+        # torchrun), refreshed in place from the policy after every update (no file).
+        self.compute_dtype, self.dtype_reason = resolve_dtype(cfg.dtype, self.device)
+        if cfg.dtype == "auto" and self.compute_dtype != torch.float32 and policy.cfg.hidden_size < _MIN_BF16_HIDDEN:
+            self.compute_dtype = torch.float32
+            self.dtype_reason = (f"fp32 (auto: hidden_size {policy.cfg.hidden_size} < {_MIN_BF16_HIDDEN}, where "
+                                 f"autocast's casts cost more than bf16 matmuls save; --dtype bf16 to force)")
+        self.engine_model = policy
+        if (_distributed() and cfg.fsdp) or self.compute_dtype != policy.embed_tokens.weight.dtype:
+            self.engine_model = copy.deepcopy(policy).requires_grad_(False).to(self.compute_dtype)
+        if _distributed() and cfg.fsdp:
+            shard_policy(policy)
         schedule = TrainConfig(preset="tiny", lr=cfg.lr, min_lr=cfg.lr, warmup=cfg.warmup, steps=cfg.steps * cfg.mu,
                                weight_decay=cfg.weight_decay, betas=(0.9, 0.99))  # constant after warmup
         self.optimizer, self.scheduler = build_optimizer(policy, schedule)
@@ -100,7 +127,7 @@ class GRPOTrainer:
         self.prompt_stream = PromptStream(cfg.task_levels, cfg.seed, cfg.eval_prompts)
         self.loss_settings = LossSettings(cfg.loss_type, cfg.clip_low, cfg.clip_high, cfg.beta)
         block_size = 16
-        self.rollout = Rollout(policy, tokenizer, EngineConfig(
+        self.rollout = Rollout(self.engine_model, tokenizer, EngineConfig(
             block_size=block_size, kv_cache_memory=cfg.kv_cache_memory,
             max_num_seqs=max(cfg.prompts_per_step * cfg.group_size, 1), max_num_batched_tokens=4096))
         self.moe_layers = policy.moe_layers()
@@ -122,8 +149,24 @@ class GRPOTrainer:
         if path is None:
             return False
         self.step_count = load_checkpoint(path, self.policy, self.optimizer, self.scheduler, self.prompt_stream)
-        self.rollout.weights_updated()
+        self._weights_updated()
         return True
+
+    def _weights_updated(self) -> None:
+        """The engine serves the policy's current weights: shared tensors already are (only the prefix
+        cache goes); a replica gets them copied in place (an FSDP policy's shards gathered, cast to
+        the replica's dtype)."""
+        if self.engine_model is not self.policy:
+            with torch.no_grad():
+                replica = dict(self.engine_model.named_parameters())
+                for name, param in self.policy.named_parameters():
+                    replica[name].copy_(plain_tensor(param))
+        self.rollout.weights_updated()
+
+    def _autocast(self):
+        if self.compute_dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
 
     def _park(self, module_or_optimizer) -> None:
         """Off the compute device while idle (on CPU there is nowhere else to go)."""
@@ -172,12 +215,16 @@ class GRPOTrainer:
         seqs = [g * G + j for g in self._my_groups(group_tokens) for j in range(G)]  # this rank trains these
         rows = pack_sequences([prompt_ids[i // G] for i in seqs], [completions[i] for i in seqs],
                               cfg.max_pack_tokens, cfg.max_pack_count)
+        if self.engine_model is not self.policy:  # FSDP: every rank runs as many forwards (collectives)
+            rows += [empty_row()] * (_max_over_ranks(len(rows)) - len(rows))
         lengths = [len(c) for c in completions]
-        old = sequence_log_probs(self.policy, rows, len(seqs)) if cfg.mu > 1 else None
+        with self._autocast():
+            old = sequence_log_probs(self.policy, rows, len(seqs)) if cfg.mu > 1 else None
         ref = None
         if cfg.beta > 0:
             self._unpark(self.reference)
-            ref = sequence_log_probs(self.reference, rows, len(seqs))
+            with self._autocast():
+                ref = sequence_log_probs(self.reference, rows, len(seqs))
             self._park(self.reference)
         batch = TrainingBatch([lengths[i] for i in seqs], advantages[seqs], old, ref)
         totals = BatchTotals(len(completions), sum(lengths), cfg.max_new_tokens)
@@ -185,8 +232,10 @@ class GRPOTrainer:
         self.policy.train()
         self.probe.mark("rewards")  # rewards, advantages, packing, old and reference log-probs
         for update in range(cfg.mu):
-            sums = accumulate_gradients(self.policy, rows, batch, totals, self.loss_settings)
-            _sum_gradients_over_ranks(self.policy)
+            with self._autocast():
+                sums = accumulate_gradients(self.policy, rows, batch, totals, self.loss_settings)
+            if self.engine_model is self.policy:  # FSDP's reduce-scatter already summed them
+                _sum_gradients_over_ranks(self.policy)
             grad_norm = clip_grad_norm(list(self.policy.parameters()), cfg.clip_grad or math.inf)
             self.probe.mark("backward")
             if update == cfg.mu - 1:  # the monitor records the iteration's last optimizer step
@@ -198,7 +247,7 @@ class GRPOTrainer:
         for moe in self.moe_layers:  # the routing bias stays as pretrained; the counts are not used
             moe.tokens_per_expert.zero_()
         self._park(self.optimizer)
-        self.rollout.weights_updated()
+        self._weights_updated()
         train_time = time.perf_counter() - start
         self.step_count += 1
         self.prompt_stream.position = self.step_count
@@ -331,6 +380,28 @@ def _sum_gradients_over_ranks(model) -> None:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad)
+
+
+def shard_policy(policy) -> None:
+    """FSDP2 over all ranks, gradients summed rather than averaged: the loss weights already divide by
+    the global batch totals (rl/algorithm.BatchTotals)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+
+    device_type = policy.embed_tokens.weight.device.type
+    apply_fsdp(policy, init_device_mesh(device_type, (dist.get_world_size(),)), MixedPrecisionPolicy())
+    for module in policy.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no pre-multiplied sum
+
+
+def _max_over_ranks(value: int) -> int:
+    if not _distributed():
+        return value
+    t = torch.tensor([value])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
 
 
 def _sum_over_ranks(values: dict[str, float]) -> dict[str, float]:

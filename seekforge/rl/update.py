@@ -48,6 +48,8 @@ def sequence_log_probs(model, rows: list[PackedRow], num_sequences: int) -> list
 
 
 def _split_by_sequence(values: torch.Tensor, row: PackedRow) -> list[torch.Tensor]:
+    if not row.sequences:  # an empty row (rl/packing.empty_row)
+        return []
     counts = torch.bincount(row.sequence_of_token, minlength=max(row.sequences) + 1)[row.sequences]
     return list(values.split(counts.tolist()))
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from seekforge.config import preset
-from seekforge.model.model import LatentCache, build_model
+from seekforge.model.model import DocumentLayout, LatentCache, build_model, document_mask
 from seekforge.model.moe import (
     GroupedExperts,
     LocalDispatcher,
@@ -166,6 +166,28 @@ def test_packed_documents_equal_separate_runs():
     packed = model(torch.cat([a, b], 1), positions=torch.cat([torch.arange(7), torch.arange(9)])[None],
                    segment_ids=torch.tensor([[0] * 7 + [1] * 9]))
     torch.testing.assert_close(packed, torch.cat([model(a), model(b)], 1), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("segments", [[[0] * 7 + [1] * 9], [[0] * 16], [[0, 1, 1, 2, 2, 2] + [3] * 10,
+                                                                 [5] * 3 + [6] * 13]])
+def test_document_layout_attention_equals_dense_mask(segments):
+    """Attention over the padded per-document layout equals the block-diagonal mask over whole rows,
+    forward and backward (rows of different document counts, one-token documents, one document)."""
+    cfg = preset("tiny")
+    attn = build_model(cfg).layers[0].self_attn
+    segment_ids = torch.tensor(segments)
+    b, t, nh = *segment_ids.shape, cfg.num_attention_heads
+    inputs = [torch.randn(b, t, nh, cfg.qk_nope_head_dim), torch.randn(b, t, nh, cfg.qk_rope_head_dim),
+              torch.randn(b, t, cfg.kv_lora_rank), torch.randn(b, t, cfg.qk_rope_head_dim)]
+    results = []
+    for mask in (document_mask(segment_ids), DocumentLayout(segment_ids)):
+        leaves = [x.clone().requires_grad_() for x in inputs]
+        out = attn.attend_naive(*leaves, mask=mask, is_causal=True)
+        out.backward(torch.linspace(-1, 1, out.numel()).view_as(out))
+        results.append([out.detach(), *(x.grad for x in leaves), attn.kv_b_proj.weight.grad.clone()])
+        attn.kv_b_proj.weight.grad = None
+    for layout_value, dense_value in zip(*results[::-1], strict=True):
+        torch.testing.assert_close(layout_value, dense_value, atol=1e-5, rtol=1e-5)
 
 
 def test_meta_init_allocates_nothing():

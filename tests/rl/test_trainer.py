@@ -33,7 +33,7 @@ def varied_reward(prompt, completion, **meta):
 def small_config(tmp_path, **overrides):
     """tmp_path None: the caller gives out_dir."""
     base = dict(rewards=[f"{__name__}:digit_reward"], steps=4, prompts_per_step=3, group_size=4, max_new_tokens=6,
-                lr=3e-3, eval_prompts=8, eval_interval=2, save_interval=2, kv_cache_memory="4MiB",
+                lr=3e-3, eval_prompts=8, eval_interval=2, save_interval=2, kv_cache_memory="4MiB", dtype="fp32",
                 out_dir=str(tmp_path / "run") if tmp_path else "")
     base.update(overrides)
     return GRPOConfig(**base)
@@ -58,9 +58,13 @@ def greedy(engine, prompts):
     return [done[i] for i in range(len(prompts))]
 
 
-def test_engine_serves_updated_weights_without_files(tmp_path, monkeypatch):
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_engine_serves_updated_weights_without_files(tmp_path, monkeypatch, dtype):
+    """fp32: the engine runs on the policy's own tensors. bf16 (autocast training over fp32 master
+    weights): the engine runs on a bf16 replica that each update refreshes in place."""
     monkeypatch.chdir(tmp_path)
-    trainer = make_trainer(small_config(tmp_path, swap=True))
+    trainer = make_trainer(small_config(tmp_path, swap=True, dtype=dtype))
+    assert (trainer.engine_model is trainer.policy) == (dtype == "fp32")
     tok = trainer.tokenizer
     prompts = [encode_prompt(tok, p) for p, _ in trainer.prompt_stream.eval_set[:4]]
     greedy(trainer.rollout.engine, prompts)  # fills the prefix cache with the old weights' latents
@@ -72,7 +76,8 @@ def test_engine_serves_updated_weights_without_files(tmp_path, monkeypatch):
     assert any(not torch.equal(before[k], v) for k, v in trainer.policy.state_dict().items())
     assert sorted(os.listdir(tmp_path)) == []  # no file written during the iteration
     trainer.rollout.wake_up()
-    fresh = LLMEngine(copy.deepcopy(trainer.policy), tok, EngineConfig(kv_cache_memory="4MiB"))
+    replica = copy.deepcopy(trainer.policy).to(trainer.compute_dtype)
+    fresh = LLMEngine(replica, tok, EngineConfig(kv_cache_memory="4MiB"))
     assert greedy(trainer.rollout.engine, prompts) == greedy(fresh, prompts)
 
 
@@ -100,26 +105,32 @@ def test_bad_config_fails_with_one_message():
             GRPOConfig(**overrides)
 
 
-def _two_rank_run(out_dir: str):
+def _two_rank_run(out_dir: str, fsdp: bool):
     import torch.distributed as dist
 
-    cfg = small_config(None, out_dir=out_dir, steps=2, eval_interval=1, save_interval=0, beta=0.05)
+    from seekforge.model.dtensor import plain_tensor
+
+    cfg = small_config(None, out_dir=out_dir, steps=2, eval_interval=1, save_interval=2, beta=0.05, fsdp=fsdp)
     trainer = make_trainer(cfg)
     history = trainer.fit(progress=False)
-    weights = {k: v.clone() for k, v in trainer.policy.state_dict().items()}
-    return history, weights if dist.get_rank() == 0 else None
+    weights = {k: plain_tensor(v).clone() for k, v in trainer.policy.state_dict().items()}
+    engine = {k: v.clone() for k, v in trainer.engine_model.state_dict().items()}
+    return history, weights if dist.get_rank() == 0 else None, engine
 
 
-@pytest.mark.slow  # ~17 s: two spawned ranks, two full iterations each
-def test_two_gloo_ranks_match_one_process(tmp_path):
+@pytest.mark.slow  # ~20 s each: two spawned ranks, two full iterations each
+@pytest.mark.parametrize("fsdp", [True, False])
+def test_two_gloo_ranks_match_one_process(tmp_path, fsdp):
     """Each rank rolls out its balanced share of the prompts on its own engine; groups, rewards and
-    advantages are whole; the summed gradients reproduce the one-process run."""
+    advantages are whole; the summed gradients reproduce the one-process run, with the policy and its
+    optimizer state FSDP-sharded (the engines' replicas refreshed from the shards) or replicated."""
     from tests.dist.dist_launcher import launch
 
     single = make_trainer(small_config(None, out_dir=str(tmp_path / "one"), steps=2, eval_interval=1,
                                        save_interval=0, beta=0.05))
     expected = single.fit(progress=False)
-    (history, weights), _ = launch(_two_rank_run, 2, str(tmp_path / "two"))
+    results = launch(_two_rank_run, 2, str(tmp_path / "two"), fsdp)
+    history, weights, _ = results[0]
     for a, b in zip(expected, history, strict=True):
         for key in ("reward_mean", "reward_std", "response_length", "eval_accuracy", "zero_std_groups"):
             assert a[key] == b[key], key
@@ -127,6 +138,8 @@ def test_two_gloo_ranks_match_one_process(tmp_path):
             assert abs(a[key] - b[key]) <= 1e-6 * max(1.0, abs(a[key])), key
     for name, value in single.policy.state_dict().items():
         torch.testing.assert_close(weights[name], value, rtol=0, atol=1e-5, msg=name)
+        for _, _, engine in results:  # every rank's engine generates with the updated weights
+            torch.testing.assert_close(engine[name], value, rtol=0, atol=1e-5, msg=name)
 
 
 def test_probe_monitors_the_training_pass_and_times_each_phase(tmp_path):
