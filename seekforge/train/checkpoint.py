@@ -8,8 +8,9 @@ Layout under `<out_dir>/checkpoints/`:
     step_000100/manifest.json   every other file's size and sha256, written last (train/integrity.py)
     latest              text file naming the newest complete checkpoint, written last
 
-Nothing is ever unpickled: tensors go through DCP (its .distcp files are read with weights_only
-semantics), everything else is JSON, so loading someone else's checkpoint cannot run their code.
+Nothing is unpickled freely: RNG states and the config are JSON, and DCP's own unpickling (its
+.metadata and non-tensor values) goes through train/safe_dcp.py's restricted readers, so loading
+someone else's checkpoint cannot run their code.
 
 Any layout → any layout: `get_state_dict` names every weight and optimizer state by its full-model
 name ("layers.3.mlp...", "state.layers.3.mlp....exp_avg", flattened so pipeline stages merge by
@@ -59,6 +60,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from seekforge.errors import CorruptFileError, UserError
 from seekforge.train import integrity
+from seekforge.train.safe_dcp import SafePlanner, SafeReader
 
 # Flat optimizer keys ("state.<fqn>.exp_avg") merge across pipeline stages by plain dict union.
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -294,7 +296,7 @@ def load_checkpoint(path: str | Path, model, optimizer=None, scheduler=None, loa
     if not (path / ".metadata").exists():
         raise ValueError(f"{path} is not a DCP checkpoint (no .metadata); pass a step_* directory")
     modules = _as_list(model)
-    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata  # flattened: "optim.state..."
+    saved = SafeReader(str(path)).read_metadata().state_dict_metadata  # flattened: "optim.state..."
 
     def has(prefix: str) -> bool:
         return any(key.startswith(prefix + ".") for key in saved)
@@ -311,11 +313,12 @@ def load_checkpoint(path: str | Path, model, optimizer=None, scheduler=None, loa
         state["trainer"]["loader"] = loader.state_dict()
     try:
         with _quiet_dcp():
-            dcp.load(state, checkpoint_id=str(path))
-    except Exception as e:  # a checkpoint the manifest vouches for failing to load is a bug: traceback
+            dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafePlanner())
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
         if (path / integrity.MANIFEST).exists():
-            raise
-        raise CorruptFileError(path, f"cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:200]})",
+            raise  # a checkpoint the manifest vouches for failing to load is a bug: traceback
+        cause = _root_cause(e)
+        raise CorruptFileError(path, f"cannot be read ({type(cause).__name__}: {str(cause).splitlines()[0][:200]})",
                                "it has no manifest.json to tell which file is damaged; resume from an older "
                                "step_* directory or start fresh with --no-resume") from e
     strict = len(modules) == 1  # pipeline stages each take their part of the merged dicts
