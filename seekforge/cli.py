@@ -23,6 +23,8 @@ VERBS = {
     "bench": ("seekforge.serve.bench", "benchmark a running server (`seekforge bench serve`)"),
     "plan": ("seekforge.plan.cli", "plan a training job: memory, pipeline schedules, stage balance, layout search"),
     "probe": ("seekforge.probe.cli", "dump, compare and report module activations; trace a running job"),
+    "quantize": ("seekforge.quant.cli", "quantize a checkpoint by a recipe (W8A8, W4A16) to compressed-tensors"),
+    "eval": ("seekforge.quant.eval", "held-out perplexity and built-in task accuracy of any checkpoint"),
     "grpo": ("seekforge.rl.cli", "GRPO post-training with co-located rollouts (built-in task by default)"),
 }
 

@@ -283,13 +283,25 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "int8": latents per token in int8 + an fp32 scale
+    speculative_tokens: int = 0  # k > 0: the model's MTP modules draft k tokens, one target pass verifies them
+    num_scheduler_steps: int = 1  # N > 1: N decode steps per scheduler pass while no prefill waits
+    enable_lora: bool = False  # serve LoRA adapters (serve/lora.py), loaded at start or at run time
 
     def __post_init__(self):
-        for key in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        if self.kv_cache_dtype not in ("auto", "int8"):
+            raise ValueError(f"EngineConfig.kv_cache_dtype={self.kv_cache_dtype!r}: choose 'auto' or 'int8'")
+        if not isinstance(self.speculative_tokens, int) or self.speculative_tokens < 0:
+            raise ValueError(f"EngineConfig.speculative_tokens={self.speculative_tokens!r}: must be an integer >= 0 "
+                             "(0 turns speculative decoding off)")
+        for key in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_scheduler_steps"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
                 raise ValueError(f"EngineConfig.{key}={getattr(self, key)!r}: must be a positive integer")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"EngineConfig.num_kv_blocks={self.num_kv_blocks}: give at least 1, or None")
+        if self.speculative_tokens and self.num_scheduler_steps > 1:
+            raise ValueError(f"speculative_tokens={self.speculative_tokens} and num_scheduler_steps="
+                             f"{self.num_scheduler_steps} cannot be combined (as in vLLM); pick one")
         self.kv_cache_bytes = parse_bytes(self.kv_cache_memory, "EngineConfig.kv_cache_memory")
 
 

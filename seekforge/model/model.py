@@ -146,19 +146,23 @@ class MLA(nn.Module):
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
         return self.kv_a_layernorm(c_kv), apply_rope(k_pe, cos, sin, cfg.rope_interleave)
 
-    def kv_b_weights(self):
-        """kv_b_proj split per head: w_uk (nh, dn, r), w_uv (nh, dv, r)."""
+    def kv_b_weights(self, weight=None):
+        """kv_b_proj's weight (or `weight`, e.g. one with a LoRA merged in) split per head: w_uk (nh, dn, r),
+        w_uv (nh, dv, r)."""
         cfg = self.cfg
-        w = self.kv_b_proj.weight.view(self.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        w = self.kv_b_proj.weight if weight is None else weight
+        w = w.view(self.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
         return w.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=1)
 
     # -- attention over latents ---------------------------------------------------------------
-    def attend_naive(self, q_nope, q_pe, c_kv, k_pe, mask=None, is_causal=False):
+    def attend_naive(self, q_nope, q_pe, c_kv, k_pe, mask=None, is_causal=False, kv_b_weight=None):
         """q_* (B, T, nh, ·), c_kv (B, S, r), k_pe (B, S, dr); mask (B|1, 1|nh, T, S) bool, True = keep,
-        or the DocumentLayout of packed documents (then T = S). Returns (B, T, nh·dv)."""
+        or the DocumentLayout of packed documents (then T = S); kv_b_weight: used instead of kv_b_proj's
+        (serving merges a LoRA into it). Returns (B, T, nh·dv)."""
         cfg = self.cfg
         b, s = c_kv.shape[:2]
-        kv = self.kv_b_proj(c_kv).view(b, s, self.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim)
+        kv = self.kv_b_proj(c_kv) if kv_b_weight is None else F.linear(c_kv, kv_b_weight)
+        kv = kv.view(b, s, self.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim)
         k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
         k = torch.cat([k_nope, k_pe[:, :, None, :].expand(-1, -1, self.num_heads, -1)], dim=-1)
         q = torch.cat([q_nope, q_pe], dim=-1)
@@ -186,9 +190,9 @@ class MLA(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal and mask is None,
                                               scale=self.softmax_scale)
 
-    def attend_absorbed(self, q_nope, q_pe, c_kv, k_pe, mask=None):
+    def attend_absorbed(self, q_nope, q_pe, c_kv, k_pe, mask=None, kv_b_weight=None):
         """Same contract as attend_naive, never materializing per-head keys or values."""
-        w_uk, w_uv = self.kv_b_weights()
+        w_uk, w_uv = self.kv_b_weights(kv_b_weight)
         q_latent = torch.einsum("btnd,ndr->btnr", q_nope, w_uk)  # (B, T, nh, r)
         scores = torch.einsum("btnr,bsr->bnts", q_latent, c_kv) + torch.einsum("btnd,bsd->bnts", q_pe, k_pe)
         scores = scores.float() * self.softmax_scale  # (B, nh, T, S)
@@ -302,10 +306,11 @@ class MTPModule(nn.Module):
         self.block = Block(cfg, layer_id)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # HF: shared_head.norm
 
-    def forward(self, h_prev, next_embeds, cos, sin, mask=None):
-        """h_prev, next_embeds (B, T, H) → this depth's hidden (B, T, H), before `norm`."""
+    def forward(self, h_prev, next_embeds, cos, sin, mask=None, kv_cache=None):
+        """h_prev, next_embeds (B, T, H) → this depth's hidden (B, T, H), before `norm`. h_prev at
+        depth 1 is the main model's hidden after its final norm (see loss.mtp_losses)."""
         x = self.eh_proj(torch.cat([self.enorm(next_embeds), self.hnorm(h_prev)], dim=-1))
-        return self.block(x, cos, sin, mask)
+        return self.block(x, cos, sin, mask, kv_cache)
 
 
 # ---------------------------------------------------------------------------------------- model

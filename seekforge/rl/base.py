@@ -22,13 +22,19 @@ from seekforge.rl.config import DEFAULT_BASE_MODEL, GRPOConfig
 
 
 class TaskWindows:
-    """num_windows windows of seq_len + 1 tokens cut from a stream of the task's documents."""
+    """num_windows windows of seq_len + 1 tokens cut from a stream of the task's documents, leaving out
+    the documents of `held_out` questions (prompts as ArithmeticTask.sample writes them): the GRPO run's
+    held-out accuracy must measure questions no phase trained on (level 2 has only ~950 distinct ones)."""
 
-    def __init__(self, tokenizer, levels: list[int], seq_len: int, num_windows: int, seed: int):
+    def __init__(self, tokenizer, levels: list[int], seq_len: int, num_windows: int, seed: int,
+                 held_out: frozenset[str] = frozenset()):
         task, rng = ArithmeticTask(seed, tuple(levels)), random.Random(f"base-{seed}")
         stream: list[int] = []
         while len(stream) < num_windows * seq_len + 1:
-            stream += tokenizer.encode(task.document(rng)) + [tokenizer.eos_token_id]
+            document = task.document(rng)
+            if document[:document.index(" A:") + len(" A:")] in held_out:
+                continue
+            stream += tokenizer.encode(document) + [tokenizer.eos_token_id]
         tokens = np.asarray(stream[:num_windows * seq_len + 1], dtype=np.int64)
         self.windows = [tokens[i * seq_len:(i + 1) * seq_len + 1] for i in range(num_windows)]
 
@@ -55,7 +61,7 @@ def prepare_base(cfg: GRPOConfig, tokenizer, out_dir: Path, progress: bool = Tru
     is right sometimes, not from one that has already learned the task."""
     from seekforge.model.hf import save_hf
     from seekforge.model.model import build_model
-    from seekforge.rl.trainer import held_out_accuracy
+    from seekforge.rl.trainer import PromptStream, held_out_accuracy
     from seekforge.train.trainer import Trainer
 
     hf_dir = out_dir / "hf"
@@ -63,8 +69,9 @@ def prepare_base(cfg: GRPOConfig, tokenizer, out_dir: Path, progress: bool = Tru
         return hf_dir
     train_cfg = base_train_config(cfg, tokenizer, out_dir)
     model = build_model(train_cfg.model_config(), seed=cfg.seed)
+    held_out = frozenset(prompt for prompt, _ in PromptStream(cfg.task_levels, cfg.seed, cfg.eval_prompts).eval_set)
     windows = TaskWindows(tokenizer, cfg.task_levels, train_cfg.seq_len,
-                          train_cfg.steps * train_cfg.micro_batch_size, cfg.seed)
+                          train_cfg.steps * train_cfg.micro_batch_size, cfg.seed, held_out)
     trainer = Trainer(train_cfg, model, BatchLoader(windows, train_cfg.micro_batch_size, cfg.seed), out_dir=out_dir)
     while trainer.step < train_cfg.steps:
         trainer.fit(stop_at=trainer.step + cfg.base_check_interval)

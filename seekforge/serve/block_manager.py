@@ -61,14 +61,15 @@ class BlockManager:
     # ------------------------------------------------------------------ prefix cache
     def match_prefix(self, seq: Sequence) -> tuple[list[int], list[bytes]]:
         """Cached blocks holding a prefix of seq's tokens. The last token is never matched: the model
-        must run on at least one token to produce the next-token logits."""
-        if not self.enable_prefix_caching:
+        must run on at least one token to produce the next-token logits. A sequence that wants prompt
+        logprobs matches nothing (as in vLLM): a cached block's logits were never kept."""
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return [], []
         blocks, hashes, parent = [], [], b""
         bs = self.block_size
         for i in range((seq.num_tokens - 1) // bs):
             tokens = seq.token_ids[i * bs:(i + 1) * bs]
-            h = block_hash(parent, tokens, seq.cache_salt)
+            h = block_hash(parent, tokens, seq.cache_key)
             block = self.cached.get(h)
             if block is None or self.tokens_of_block[block] != tuple(tokens):
                 break
@@ -108,7 +109,7 @@ class BlockManager:
         for i in range(len(seq.block_hashes), seq.num_computed_tokens // bs):
             parent = seq.block_hashes[-1] if seq.block_hashes else b""
             tokens = seq.token_ids[i * bs:(i + 1) * bs]
-            h = block_hash(parent, tokens, seq.cache_salt)
+            h = block_hash(parent, tokens, seq.cache_key)
             seq.block_hashes.append(h)
             block = seq.block_table[i]
             if h not in self.cached:  # an identical block computed by another sequence stays first

@@ -22,13 +22,16 @@ text that a later cut removes.
 
 from __future__ import annotations
 
+import functools
+
 REPLACEMENT_CHAR = "\ufffd"  # what a decoder returns for bytes that are not (yet) valid UTF-8
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, stop: list[str]):
+    def __init__(self, tokenizer, stop: list[str], skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.stop = stop
+        self.skip_special_tokens = skip_special_tokens
         self.token_ids: list[int] = []
         self.prefix_offset = 0
         self.read_offset = 0
@@ -69,7 +72,9 @@ class IncrementalDetokenizer:
         return True
 
     def _decode_window(self, final: bool) -> str:
-        decode = self.tokenizer.decode
+        decode = self.tokenizer.decode  # the tokenizer interface's default skips special tokens
+        if not self.skip_special_tokens:
+            decode = functools.partial(decode, skip_special_tokens=False)
         ids = self.token_ids
         prefix_text = decode(ids[self.prefix_offset:self.read_offset])
         window_text = decode(ids[self.prefix_offset:])

@@ -2,7 +2,10 @@
 
     LLMEngine   — synchronous core: add_request / abort / step. One step = schedule → run → sample →
                   update sequences (stop checks, incremental detokenization: detokenizer.py) →
-                  finished sequences release their blocks.
+                  finished sequences release their blocks. With `speculative_tokens` the run + sample
+                  is spec_decode.py's verify and the step ends with MTP drafts; with
+                  `num_scheduler_steps` an all-decode batch runs N steps on the model side
+                  (Runner.decode_steps) before the updates; LoRA adapters: lora.py.
     LLM         — offline API: `LLM("tiny").generate(["Hello", [1, 2, 3]], SamplingParams(max_tokens=8))`.
     AsyncEngine — runs an LLMEngine on a background thread for the server: `async for out in
                   engine.generate(prompt, params)` streams cumulative RequestOutputs; leaving the loop
@@ -27,10 +30,13 @@ from seekforge.config import EngineConfig
 from seekforge.model.model import Transformer
 from seekforge.serve.block_manager import BlockManager
 from seekforge.serve.detokenizer import IncrementalDetokenizer
+from seekforge.serve.lora import LoRAAdapter, load_adapter
 from seekforge.serve.runner import Runner, num_kv_blocks
-from seekforge.serve.sampling import sample
+from seekforge.serve.sampling import logprob_infos, sample, sample_ids, token_logprobs
 from seekforge.serve.scheduler import Scheduler
-from seekforge.serve.sequence import SamplingParams, Sequence
+from seekforge.serve.sequence import SamplingParams, Sequence, SequenceUpdate
+from seekforge.serve.spec_decode import SpecDecoder
+from seekforge.serve.structured import GrammarCompiler
 
 log = logging.getLogger("seekforge.serve")
 
@@ -53,6 +59,9 @@ class RequestOutput:
     num_cached_tokens: int  # prompt tokens served by the prefix cache
     ttft: float | None = None  # seconds from arrival to the first token (first completion)
     tpot: float | None = None  # seconds per output token after the first (finished requests)
+    # with SamplingParams.prompt_logprobs: per prompt token as CompletionOutput.logprobs (+ "rank");
+    # the first token's is None (nothing predicts it)
+    prompt_logprobs: list[dict | None] | None = None
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
@@ -87,8 +96,11 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
         self.runner = Runner(model, config, num_blocks)
+        self.spec = SpecDecoder(self.runner, self.block_manager, config.speculative_tokens, self.max_model_len) \
+            if config.speculative_tokens else None
         self.capacity = num_blocks * config.block_size
         self.eos_token_id = tokenizer.eos_token_id
+        self.grammars = GrammarCompiler(tokenizer, cfg.vocab_size)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.num_steps = 0
@@ -100,9 +112,12 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def make_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                     request_id: str | None = None, cache_salt: str | None = None) -> Request:
-        """Validate and tokenize, touching no engine state (safe from any thread)."""
+                     request_id: str | None = None, cache_salt: str | None = None,
+                     lora_name: str | None = None) -> Request:
+        """Validate and tokenize, touching no engine state (safe from any thread). `lora_name`: a loaded
+        LoRA adapter to run the request with (None: the base model)."""
         params = params or SamplingParams()
+        lora = self._lora(lora_name)
         if isinstance(prompt, str):  # a BOS only if training put one there (the tokenizer's add_bos_token)
             prompt_ids = self.tokenizer.encode(prompt, add_bos=getattr(self.tokenizer, "add_bos_token", False))
         else:
@@ -120,17 +135,22 @@ class LLMEngine:
         if n + max_tokens > limit:
             raise ValueError(f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds the "
                              f"context length {limit}; lower max_tokens to at most {limit - n}")
-        if n + max_tokens > self.capacity:
-            raise ValueError(f"the request needs {n + max_tokens} tokens of KV cache but it holds {self.capacity}; "
-                             "lower max_tokens or raise --kv-cache-memory")
+        if n + max_tokens + self.config.speculative_tokens > self.capacity:
+            raise ValueError(f"the request needs {n + max_tokens} tokens of KV cache (+ "
+                             f"{self.config.speculative_tokens} draft slots) but it holds {self.capacity}; lower "
+                             "max_tokens or raise --kv-cache-memory")
         if not self.config.enable_chunked_prefill and n + max_tokens > self.config.max_num_batched_tokens:
             raise ValueError(f"without chunked prefill a sequence of up to {n + max_tokens} tokens must fit one "
                              f"step (max_num_batched_tokens={self.config.max_num_batched_tokens}); enable "
                              "chunked prefill or raise max_num_batched_tokens")
         request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        seqs = [Sequence(request_id, i, prompt_ids, params, max_tokens, self.eos_token_id, cache_salt)
+        seqs = [Sequence(request_id, i, prompt_ids, params, max_tokens, self.eos_token_id, cache_salt, lora)
                 for i in range(params.n)]
-        return Request(request_id, prompt_ids, seqs, [IncrementalDetokenizer(self.tokenizer, params.stop)
+        if params.structured is not None:
+            for seq in seqs:  # matcher state is per sequence: each of the n completions advances its own
+                seq.matcher = self.grammars.matcher(params.structured)
+        return Request(request_id, prompt_ids, seqs, [IncrementalDetokenizer(self.tokenizer, params.stop,
+                                                                             params.skip_special_tokens)
                                                       for _ in seqs])
 
     def add(self, request: Request) -> str:
@@ -142,8 +162,36 @@ class LLMEngine:
         return request.request_id
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, cache_salt: str | None = None) -> str:
-        return self.add(self.make_request(prompt, params, request_id, cache_salt))
+                    request_id: str | None = None, cache_salt: str | None = None, lora_name: str | None = None) -> str:
+        return self.add(self.make_request(prompt, params, request_id, cache_salt, lora_name))
+
+    # ------------------------------------------------------------------ LoRA adapters (lora.py)
+    def load_lora(self, name: str, path: str) -> None:
+        """Load a PEFT LoRA adapter under `name`; requests select it by that name. Safe from any thread:
+        the engine only ever sees the adapter once it is complete."""
+        self._lora_manager().add(load_adapter(name, path, self.model))
+
+    def unload_lora(self, name: str) -> None:
+        """New requests can no longer use `name`; running ones finish with it. KeyError if not loaded."""
+        self._lora_manager().remove(name)
+
+    @property
+    def lora_adapters(self) -> dict[str, LoRAAdapter]:
+        return dict(self.runner.lora.adapters) if self.runner.lora is not None else {}
+
+    def _lora_manager(self):
+        if self.runner.lora is None:
+            raise ValueError("LoRA adapters are off; start the engine with enable_lora=True (seekforge serve "
+                             "--enable-lora, or --lora-modules name=path)")
+        return self.runner.lora
+
+    def _lora(self, name: str | None) -> LoRAAdapter | None:
+        if name is None:
+            return None
+        adapter = self.lora_adapters.get(name)
+        if adapter is None:
+            raise ValueError(f"no LoRA adapter named {name!r} is loaded; loaded: {sorted(self.lora_adapters)}")
+        return adapter
 
     def abort(self, request_id: str) -> RequestOutput | None:
         request = self.requests.pop(request_id, None)
@@ -169,27 +217,37 @@ class LLMEngine:
         if not batch.seqs:
             assert not self.scheduler.running, "scheduled nothing while sequences run"
             return []
-        logits, sample_seqs = self.runner.run(batch)
-        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            seq.num_computed_tokens += n
-            self.block_manager.cache_full_blocks(seq)
-        token_ids, infos = sample(logits, sample_seqs) if sample_seqs else ([], [])
+        num_steps = self.scheduler.num_decode_steps(batch, self.max_model_len)
+        if num_steps > 1:
+            return self._multi_step(batch.seqs, num_steps)
+        updates = self.spec.verify(batch) if self.spec else self._plain_step(batch)
         now = time.monotonic()
         touched: dict[str, Request] = {}
-        for seq, token_id, info in zip(sample_seqs, token_ids, infos, strict=True):
-            seq.token_ids.append(token_id)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            if info is not None:
-                seq.logprobs.append(info)
-            request = self.requests[seq.request_id]
-            detokenizer = request.detokenizers[seq.index]
-            reason = self._stop_reason(seq, token_id, detokenizer)
-            if reason is not None:
-                seq.finish_time = now
-                self._finish(seq, detokenizer, reason)
-            touched[seq.request_id] = request
+        for update in updates:
+            if self._apply(update, now):
+                touched[update.seq.request_id] = self.requests[update.seq.request_id]
+        if self.spec:
+            self.spec.propose()
         self.num_steps += 1
+        return self._outputs(touched)
+
+    def _multi_step(self, seqs: list[Sequence], num_steps: int) -> list[RequestOutput]:
+        """Run `num_steps` decode steps on the model side, then apply them token by token: stop checks and
+        streamed outputs stay per token; a stopped sequence's later tokens are discarded (its slots are
+        freed with it)."""
+        steps = self.runner.decode_steps(seqs, num_steps, lambda logits: sample_ids(logits, seqs))
+        outputs = []
+        for ids, logits in steps:
+            now = time.monotonic()
+            touched: dict[str, Request] = {}
+            for seq, token, info in zip(seqs, ids.tolist(), logprob_infos(logits, ids, seqs), strict=True):
+                if not seq.is_finished and self._apply(SequenceUpdate(seq, 1, 0, [token], [info]), now):
+                    touched[seq.request_id] = self.requests[seq.request_id]
+            outputs += self._outputs(touched)
+        self.num_steps += num_steps
+        return outputs
+
+    def _outputs(self, touched: dict[str, Request]) -> list[RequestOutput]:
         outputs = []
         for request in touched.values():
             out = self._output(request)
@@ -197,6 +255,48 @@ class LLMEngine:
                 del self.requests[request.request_id]
             outputs.append(out)
         return outputs
+
+    def _plain_step(self, batch) -> list[SequenceUpdate]:
+        logits, sample_seqs, prompt_logits = self.runner.run(batch)
+        token_ids, infos = sample(logits, sample_seqs) if sample_seqs else ([], [])
+        sampled = {seq.seq_id: (t, i) for seq, t, i in zip(sample_seqs, token_ids, infos, strict=True)}
+        prompt_logits = {seq.seq_id: rows for seq, rows in prompt_logits}
+        updates = []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            token, info = sampled.get(seq.seq_id, (None, None))
+            updates.append(SequenceUpdate(seq, n, 0, [] if token is None else [token], [] if token is None else [info],
+                                          prompt_logits.get(seq.seq_id)))
+        return updates
+
+    def _apply(self, update: SequenceUpdate, now: float) -> bool:
+        """Append an update's tokens one at a time until a stop condition (the rest are discarded), advance
+        the computed tokens (accepted drafts count, tokens past a stop do not), register full blocks
+        for prefix caching, finish a stopped sequence. True if the sequence got tokens."""
+        seq = update.seq
+        if update.prompt_logits is not None:
+            first = len(seq.prompt_logprobs)
+            seq.prompt_logprobs.extend(token_logprobs(update.prompt_logits, seq.token_ids[first:first + len(
+                update.prompt_logits)], seq.params.prompt_logprobs))
+        detokenizer = self.requests[seq.request_id].detokenizers[seq.index]
+        reason, kept = None, 0
+        for token_id, info in zip(update.token_ids, update.infos, strict=True):
+            seq.token_ids.append(token_id)
+            kept += 1
+            if seq.matcher is not None:
+                seq.matcher.consume_token(token_id)  # the mask allowed it, so the grammar accepts it
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            if info is not None:
+                seq.logprobs.append(info)
+            reason = self._stop_reason(seq, token_id, detokenizer)
+            if reason is not None:
+                break
+        seq.num_computed_tokens += update.num_real + min(update.num_accepted, kept)
+        self.block_manager.cache_full_blocks(seq)
+        if reason is not None:
+            seq.finish_time = now
+            self._finish(seq, detokenizer, reason)
+        return kept > 0
 
     def _stop_reason(self, seq: Sequence, token_id: int, detokenizer: IncrementalDetokenizer) -> str | None:
         """Why seq ends after its new token: "stop", "length", or None to go on. Every token but a
@@ -206,6 +306,8 @@ class LLMEngine:
             return "stop"
         if detokenizer.add(token_id, check_stop=past_min_tokens):
             return "stop"  # a stop string completed; the text ends just before it
+        if seq.matcher is not None and seq.matcher.is_stopped():
+            return "stop"  # the structured output is complete: the grammar allows nothing more
         if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
@@ -228,15 +330,22 @@ class LLMEngine:
             decode_times = [(s.finish_time - s.first_token_time) / (s.num_output_tokens - 1)
                             for s in seqs if s.finish_time and s.first_token_time and s.num_output_tokens > 1]
             tpot = sum(decode_times) / len(decode_times) if decode_times else None
+        prompt_logprobs = list(seqs[0].prompt_logprobs) if seqs[0].params.prompt_logprobs is not None else None
         return RequestOutput(request.request_id, request.prompt_token_ids, outputs, finished,
-                             seqs[0].num_cached_tokens, ttft, tpot)
+                             seqs[0].num_cached_tokens, ttft, tpot, prompt_logprobs)
 
     def stats(self) -> dict:
         bm = self.block_manager
-        return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
-                "kv_cache_usage": bm.usage, "prefix_cache_hit_rate": bm.prefix_hit_rate,
-                "num_free_blocks": bm.num_free_blocks, "num_blocks": bm.num_blocks,
-                "num_preemptions": self.scheduler.num_preemptions, "num_aborted": self.num_aborted}
+        stats = {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
+                 "kv_cache_usage": bm.usage, "prefix_cache_hit_rate": bm.prefix_hit_rate,
+                 "num_free_blocks": bm.num_free_blocks, "num_blocks": bm.num_blocks,
+                 "num_preemptions": self.scheduler.num_preemptions, "num_aborted": self.num_aborted}
+        if self.spec:
+            stats.update(spec_num_draft_tokens=self.spec.num_draft_tokens,
+                         spec_num_accepted_tokens=self.spec.num_accepted_tokens,
+                         spec_acceptance_rate=self.spec.acceptance_rate,
+                         spec_mean_accepted_length=self.spec.mean_accepted_length)
+        return stats
 
 
 class LLM:
@@ -249,9 +358,9 @@ class LLM:
 
     def __init__(self, model: str | Transformer = "tiny", tokenizer=None, dtype: str | torch.dtype = "auto",
                  **engine_kwargs):
-        from seekforge.model.load import load_model
         from seekforge.model.precision import resolve_dtype
         from seekforge.model.tokenizer import load_tokenizer
+        from seekforge.quant.load import load_model  # quantized checkpoints too
 
         if isinstance(model, Transformer):
             tokenizer = tokenizer or load_tokenizer("byte")
@@ -263,8 +372,9 @@ class LLM:
         self.tokenizer = tokenizer
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 ) -> list[RequestOutput]:
-        """prompts: a string, a list of token ids, or a list of either. Outputs come in prompt order."""
+                 lora_name: str | list[str | None] | None = None) -> list[RequestOutput]:
+        """prompts: a string, a list of token ids, or a list of either. Outputs come in prompt order.
+        lora_name: a loaded LoRA adapter for every prompt, or one per prompt (None: the base model)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not isinstance(sampling_params, list):
@@ -273,7 +383,9 @@ class LLM:
             raise ValueError(f"{len(sampling_params)} SamplingParams for {len(prompts)} prompts; give one or "
                              "one per prompt")
         engine = self.engine
-        requests = [engine.make_request(p, sp) for p, sp in zip(prompts, sampling_params, strict=True)]
+        loras = lora_name if isinstance(lora_name, list) else [lora_name] * len(prompts)
+        requests = [engine.make_request(p, sp, lora_name=lora)
+                    for p, sp, lora in zip(prompts, sampling_params, loras, strict=True)]
         ids = [engine.add(r) for r in requests]  # all validated first: a bad prompt adds nothing
         done: dict[str, RequestOutput] = {}
         while len(done) < len(ids):
@@ -311,10 +423,11 @@ class AsyncEngine:
         self._thread.start()
 
     def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
-                 request_id: str | None = None, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                 request_id: str | None = None, cache_salt: str | None = None,
+                 lora_name: str | None = None) -> AsyncIterator[RequestOutput]:
         """Validate now (a bad request raises ValueError here, before any streaming starts) and return
         the stream of cumulative outputs; the request starts when the stream is first awaited."""
-        return self._stream(self.engine.make_request(prompt, params, request_id, cache_salt))
+        return self._stream(self.engine.make_request(prompt, params, request_id, cache_salt, lora_name))
 
     async def _stream(self, request: Request) -> AsyncIterator[RequestOutput]:
         stream: asyncio.Queue = asyncio.Queue()

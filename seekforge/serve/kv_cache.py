@@ -1,14 +1,20 @@
 """Paged latent KV cache for MLA and the per-step attention metadata.
 
 Shape legend: P num_blocks, L block_size, r kv_lora_rank, dr qk_rope_head_dim, nh heads,
-T tokens in the step (all sequences, flattened), Nd decode sequences, Sd = Nd's widest block table · L.
+T tokens in the step (all sequences, flattened), Nd decode rows, Sd = the widest decode context in blocks · L.
 
 Each layer's pool stores only what MLA needs to rebuild keys and values: the normed latent c_kv
 (r values) and the rotated shared key k_pe (dr values) per token — (r + dr) instead of nh·(dqk + dv).
+With `int8` (EngineConfig.kv_cache_dtype="int8") each token's c_kv and k_pe are stored as int8 with
+one fp32 absmax scale each (symmetric, per token, as activations are quantized in quant/schemes.py)
+and dequantized to the model's dtype when gathered; both attention paths then run unchanged.
 
-A step is one flat batch (B = 1, T tokens) laid out as [decode tokens | prefill chunk 1 | chunk 2 …]
-(the runner orders it so). `AttentionMetadata` plays the role of nano-vllm's Context: the slot of
-every token, and per sequence its block table and query/context lengths. Every layer's
+A step is one flat batch (B = 1, T tokens) laid out as [decode rows | prefill chunk 1 | chunk 2 …]
+(the runner orders it so). A decode row is one query token with its own block table and context
+length: a plain decode is one row; a speculative verify of 1 + k tokens is 1 + k rows of one sequence
+with context lengths n+1 … n+k+1 (causal among them), so it too runs the absorbed path.
+`AttentionMetadata` plays the role of nano-vllm's Context: the slot of every token, and per decode
+row / prefill chunk its block table and query/context lengths. Every layer's
 `PagedLatentCache.attend` (called from `MLA.forward`) writes this step's latents to their slots, then
   decodes  — one batched absorbed-MLA call over the gathered latents, padding masked out;
   prefills — one naive-MLA call per chunk, causal over (cached context + chunk).
@@ -21,59 +27,98 @@ from dataclasses import dataclass
 import torch
 
 from seekforge.config import ModelConfig
+from seekforge.quant.schemes import quantize_activation
 
 
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # (T,) int64: block · L + offset, where each token's latents go
-    num_decodes: int  # the first num_decodes tokens are decodes, one per sequence
+    num_decodes: int  # the first num_decodes tokens are decode rows
     decode_block_tables: torch.Tensor | None  # (Nd, max blocks) int64, padded with block 0
     decode_mask: torch.Tensor | None  # (Nd, 1, 1, Sd) bool, True = a real context token
     prefill_block_tables: list[torch.Tensor]  # per chunk: (blocks,) int64
     prefill_query_lens: list[int]
     prefill_context_lens: list[int]  # cached tokens before the chunk + the chunk
     prefill_masks: list[torch.Tensor]  # per chunk: (q_len, context_len) bool, causal after the cached part
+    # Multi-LoRA (lora.py): the manager, and per decode row / prefill chunk its adapter slot (-1 = base)
+    lora: object | None = None
+    decode_adapter: torch.Tensor | None = None  # (Nd,) int64
+    prefill_adapters: list[int] | None = None
 
 
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     per_token = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * torch.tensor([], dtype=dtype).element_size()
+    if dtype == torch.int8:
+        per_token += 2 * 4  # the fp32 scales of c_kv and k_pe
     return per_token * block_size * cfg.num_hidden_layers
 
 
 class PagedLatentCache:
     """One layer's block pool. `metadata` is shared by all layers and replaced every step."""
 
-    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype, device):
-        self.c_kv = torch.zeros(num_blocks, block_size, cfg.kv_lora_rank, dtype=dtype, device=device)
-        self.k_pe = torch.zeros(num_blocks, block_size, cfg.qk_rope_head_dim, dtype=dtype, device=device)
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype, device,
+                 kv_b_name: str | None = None, int8: bool = False):
+        self.kv_b_name = kv_b_name  # this layer's kv_b_proj, which a LoRA adapter may target (lora.py)
+        self.dtype = dtype  # of the latents attention reads
+        store = torch.int8 if int8 else dtype
+        self.c_kv = torch.zeros(num_blocks, block_size, cfg.kv_lora_rank, dtype=store, device=device)
+        self.k_pe = torch.zeros(num_blocks, block_size, cfg.qk_rope_head_dim, dtype=store, device=device)
+        # int8: one scale per cached token for each of c_kv and k_pe, (P, L, 1) fp32
+        self.c_kv_scale = torch.ones(num_blocks, block_size, 1, device=device) if int8 else None
+        self.k_pe_scale = torch.ones(num_blocks, block_size, 1, device=device) if int8 else None
         self.metadata: AttentionMetadata | None = None
 
     def attend(self, attn, q_nope, q_pe, c_kv, k_pe):
         """q_nope (1, T, nh, dn), q_pe (1, T, nh, dr), c_kv (1, T, r), k_pe (1, T, dr) → (1, T, nh·dv)."""
         md = self.metadata
         r, dr = self.c_kv.shape[-1], self.k_pe.shape[-1]
-        pool_c_kv, pool_k_pe = self.c_kv.view(-1, r), self.k_pe.view(-1, dr)  # (P·L, ·)
-        pool_c_kv.index_copy_(0, md.slot_mapping, c_kv[0])
-        pool_k_pe.index_copy_(0, md.slot_mapping, k_pe[0])
+        self._write(self.c_kv, self.c_kv_scale, md.slot_mapping, c_kv[0])
+        self._write(self.k_pe, self.k_pe_scale, md.slot_mapping, k_pe[0])
         outs = []
         nd = md.num_decodes
         if nd:
             tables = md.decode_block_tables
-            ctx_c_kv = self._gather(self.c_kv, tables.flatten()).view(nd, -1, r)  # (Nd, Sd, r)
-            ctx_k_pe = self._gather(self.k_pe, tables.flatten()).view(nd, -1, dr)  # (Nd, Sd, dr)
+            ctx_c_kv = self._read(self.c_kv, self.c_kv_scale, tables.flatten()).view(nd, -1, r)  # (Nd, Sd, r)
+            ctx_k_pe = self._read(self.k_pe, self.k_pe_scale, tables.flatten()).view(nd, -1, dr)  # (Nd, Sd, dr)
             out = attn.attend_absorbed(q_nope[0, :nd, None], q_pe[0, :nd, None], ctx_c_kv, ctx_k_pe,
                                        mask=md.decode_mask)  # (Nd, 1, nh·dv)
+            if md.decode_adapter is not None and self.kv_b_name is not None:
+                # rows of adapters with a LoRA on kv_b_proj: absorbed again with the merged weight
+                for rows, weight in md.lora.kv_b_groups(attn.kv_b_proj, self.kv_b_name, md.decode_adapter):
+                    out[rows] = attn.attend_absorbed(q_nope[0, rows, None], q_pe[0, rows, None], ctx_c_kv[rows],
+                                                     ctx_k_pe[rows], mask=md.decode_mask[rows], kv_b_weight=weight)
             outs.append(out[:, 0])
         start = nd
-        for table, q_len, ctx_len, mask in zip(md.prefill_block_tables, md.prefill_query_lens,
-                                               md.prefill_context_lens, md.prefill_masks, strict=True):
-            ctx_c_kv = self._gather(self.c_kv, table).view(-1, r)[None, :ctx_len]  # (1, S, r)
-            ctx_k_pe = self._gather(self.k_pe, table).view(-1, dr)[None, :ctx_len]
+        for i, (table, q_len, ctx_len, mask) in enumerate(zip(md.prefill_block_tables, md.prefill_query_lens,
+                                                              md.prefill_context_lens, md.prefill_masks, strict=True)):
+            ctx_c_kv = self._read(self.c_kv, self.c_kv_scale, table).view(-1, r)[None, :ctx_len]  # (1, S, r)
+            ctx_k_pe = self._read(self.k_pe, self.k_pe_scale, table).view(-1, dr)[None, :ctx_len]
             end = start + q_len
-            out = attn.attend_naive(q_nope[:, start:end], q_pe[:, start:end], ctx_c_kv, ctx_k_pe, mask=mask)
+            weight = None
+            if md.prefill_adapters is not None and self.kv_b_name is not None:
+                weight = md.lora.merged_kv_b(attn.kv_b_proj, self.kv_b_name, md.prefill_adapters[i])
+            out = attn.attend_naive(q_nope[:, start:end], q_pe[:, start:end], ctx_c_kv, ctx_k_pe, mask=mask,
+                                    kv_b_weight=weight)
             outs.append(out[0])
             start = end
         return torch.cat(outs)[None] if len(outs) > 1 else outs[0][None]
+
+    @staticmethod
+    def _write(pool: torch.Tensor, scale: torch.Tensor | None, slots: torch.Tensor, x: torch.Tensor) -> None:
+        """x (T, ·) → its slots of a (P, L, ·) pool; int8 pools also take each token's scale."""
+        if scale is not None:
+            x, token_scale = quantize_activation(x)  # (T, ·) int8, (T, 1) fp32
+            scale.view(-1, 1).index_copy_(0, slots, token_scale)
+        pool.view(-1, pool.shape[-1]).index_copy_(0, slots, x)
+
+    def _read(self, pool: torch.Tensor, scale: torch.Tensor | None, blocks: torch.Tensor) -> torch.Tensor:
+        """Whole blocks → (len(blocks), L·(·)) in the attention dtype, dequantized when int8."""
+        data = self._gather(pool, blocks)
+        if scale is None:
+            return data
+        n, width = data.shape[0], pool.shape[-1]
+        token_scale = self._gather(scale, blocks)  # (n, L)
+        return (data.view(n, -1, width).float() * token_scale[..., None]).to(self.dtype).view(n, -1)
 
     @staticmethod
     def _gather(pool: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:

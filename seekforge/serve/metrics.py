@@ -24,6 +24,17 @@ class ServerMetrics:
               registry=r).set_function(lambda: blocks.prefix_hit_rate)
         Gauge("seekforge_num_preemptions", "Sequences preempted (recomputed) so far", registry=r) \
             .set_function(lambda: sched.num_preemptions)
+        spec = engine.spec
+        if spec is not None:  # vLLM reports the same pair (spec_decode acceptance rate / mean length)
+            Gauge("seekforge_spec_decode_num_draft_tokens_total", "Draft tokens proposed by the MTP modules",
+                  registry=r).set_function(lambda: spec.num_draft_tokens)
+            Gauge("seekforge_spec_decode_num_accepted_tokens_total", "Draft tokens accepted by the target model",
+                  registry=r).set_function(lambda: spec.num_accepted_tokens)
+            Gauge("seekforge_spec_decode_acceptance_rate", "Accepted / proposed draft tokens", registry=r) \
+                .set_function(lambda: spec.acceptance_rate)
+            Gauge("seekforge_spec_decode_mean_accepted_length",
+                  "Tokens a sequence gains per verify pass (accepted drafts + 1)", registry=r) \
+                .set_function(lambda: spec.mean_accepted_length)
         self.ttft = Histogram("seekforge_time_to_first_token_seconds", "Time to first token",
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("seekforge_time_per_output_token_seconds", "Time per output token after the first",

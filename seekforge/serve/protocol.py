@@ -2,8 +2,9 @@
 
 Fields OpenAI defines but seekforge does not implement are accepted only at their "off" value, so a
 request never silently gets behaviour it did not ask for; anything else is a 400 naming the field.
-vLLM's extra sampling fields (top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
-stop_token_ids, cache_salt) are accepted too, as `extra_body` in the openai client.
+vLLM's extra fields (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids,
+cache_salt, skip_special_tokens, prompt_logprobs, guided_json / guided_regex / guided_choice / guided_grammar,
+structured_outputs) are accepted too, as `extra_body` in the openai client.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from seekforge.serve.sequence import SamplingParams
+from seekforge.serve.structured import StructuredOutput
 
 
 class StreamOptions(BaseModel):
@@ -43,6 +45,31 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     cache_salt: str | None = None
+    skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None
+    response_format: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict | None = None  # vLLM: {"json" | "regex" | "choice" | "grammar" | "json_object": ...}
+
+    def structured(self) -> StructuredOutput | None:
+        """The one constraint the request sets (response_format, guided_*, structured_outputs), if any;
+        ValueError if it sets several or a malformed one."""
+        found = []
+        fmt = self.response_format
+        if fmt is not None and fmt.get("type") != "text":
+            found.append(StructuredOutput.from_response_format(fmt))
+        guided = {"json": self.guided_json, "regex": self.guided_regex, "choice": self.guided_choice,
+                  "grammar": self.guided_grammar}
+        if any(v is not None for v in guided.values()):
+            found.append(StructuredOutput(**{k: v for k, v in guided.items() if v is not None}))
+        if self.structured_outputs:
+            found.append(StructuredOutput.from_dict(self.structured_outputs))
+        if len(found) > 1:
+            raise ValueError("give one of response_format, guided_* and structured_outputs, not several")
+        return found[0] if found else None
 
     def unsupported(self) -> str | None:
         """The first field set to something seekforge cannot do, with the reason, else None."""
@@ -63,7 +90,9 @@ class _Sampling(BaseModel):
             repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, seed=self.seed,
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
-            stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos, logprobs=logprobs)
+            stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos, logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs, structured=self.structured(),
+            skip_special_tokens=self.skip_special_tokens)
 
 
 class CompletionRequest(_Sampling):
@@ -75,13 +104,21 @@ class CompletionRequest(_Sampling):
     suffix: str | None = None
 
     def unsupported(self) -> str | None:
-        if self.echo:
-            return "echo is not supported; remove it or set it to false"
+        if self.max_tokens == 0 and not self.echo:
+            return "max_tokens=0 only makes sense with echo=true (score the prompt); give max_tokens >= 1"
         if self.best_of is not None and self.best_of != self.n:
             return "best_of is not supported; use n"
         if self.suffix:
             return "suffix is not supported; remove it"
         return super().unsupported()
+
+    def completion_params(self) -> SamplingParams:
+        """max_tokens 0 with echo (scoring a prompt, as lm-eval does) runs one step like vLLM and shows
+        only the prompt; echo's prompt logprobs have `logprobs` top entries, as in vLLM."""
+        params = self.sampling_params(1 if self.max_tokens == 0 else self.max_tokens, self.logprobs)
+        if self.echo and self.logprobs is not None:
+            params.prompt_logprobs = max(self.logprobs, params.prompt_logprobs or 0)
+        return params
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -117,16 +154,10 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = None
     tools: list[dict] | None = None
     tool_choice: Any = None
-    response_format: dict | None = None
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
 
     def unsupported(self) -> str | None:
-        if self.tools:
-            return "tools are not supported; remove them"
-        if self.tool_choice not in (None, "none", "auto"):
-            return "tool_choice is not supported; remove it"
-        if self.response_format and self.response_format.get("type") != "text":
-            return "response_format other than {'type': 'text'} is not supported"
         if self.top_logprobs and not self.logprobs:
             return "top_logprobs needs logprobs=true"
         return super().unsupported()
@@ -134,3 +165,39 @@ class ChatCompletionRequest(_Sampling):
     @property
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class LoadLoRARequest(BaseModel):
+    """POST /v1/load_lora_adapter, as vLLM takes it: a PEFT adapter directory served under lora_name."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRARequest(BaseModel):
+    lora_name: str
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a `prompt`, or chat `messages` (through the chat template, with `tools`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[dict] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool | None = None  # vLLM's defaults: True for a prompt, False for messages
+    return_token_strs: bool = False
+
+    def model_post_init(self, _):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        if self.add_special_tokens is None:
+            self.add_special_tokens = self.prompt is not None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int]

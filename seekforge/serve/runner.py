@@ -1,35 +1,82 @@
-"""Runner: a scheduled batch in, next-token logits out.
+"""Runner: chunks of sequences in, hidden states and next-token logits out.
 
-It owns the model and the per-layer paged latent caches, turns the scheduler's (sequence, number of
-new tokens) pairs into one flat batch plus `AttentionMetadata`, runs the model, and returns logits
-only for the sequences whose chunk reaches their last known token (those sample a token this step;
-a sequence in the middle of a chunked prefill does not).
+It owns the model and the per-layer paged latent caches (plus one per MTP module when speculative
+decoding drafts with them), turns a list of `Chunk`s — the tokens of one sequence a pass computes —
+into one flat batch plus `AttentionMetadata`, and runs the main model or an MTP module over it.
+`run` is the plain step: logits only for the sequences whose chunk reaches their last known token
+(those sample a token this step; a sequence in the middle of a chunked prefill does not), and for a
+sequence that asked for prompt logprobs the logits of its chunk's rows that predict a prompt token.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
 from seekforge.config import EngineConfig
 from seekforge.model.model import Transformer
 from seekforge.serve.kv_cache import AttentionMetadata, PagedLatentCache, bytes_per_block
+from seekforge.serve.lora import LoRAManager
 from seekforge.serve.scheduler import ScheduledBatch
 from seekforge.serve.sequence import Sequence
 
 log = logging.getLogger("seekforge.serve")
 
 
+@dataclass
+class Chunk:
+    """Tokens of `seq` at positions start … start + len(token_ids) - 1, computed in one pass.
+    decode: every token is a decode row (absorbed MLA against the cache: decodes, speculative
+    verifies, MTP drafts); else one causal prefill chunk (naive MLA)."""
+
+    seq: Sequence
+    start: int
+    token_ids: list[int]
+    decode: bool
+
+
 def num_kv_blocks(model: Transformer, config: EngineConfig) -> int:
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
-    dtype = model.embed_tokens.weight.dtype
-    n = config.kv_cache_bytes // bytes_per_block(model.cfg, config.block_size, dtype)
+    dtype = torch.int8 if config.kv_cache_dtype == "int8" else model.embed_tokens.weight.dtype
+    per_block = bytes_per_block(model.cfg, config.block_size, dtype)
+    if config.speculative_tokens:  # the MTP modules keep a latent cache each, on the same block tables
+        per_block += per_block * len(model.mtp) // model.cfg.num_hidden_layers
+    n = config.kv_cache_bytes // per_block
     if n < 1:
-        raise ValueError(f"kv_cache_memory={config.kv_cache_memory!r} holds no block of "
-                         f"{bytes_per_block(model.cfg, config.block_size, dtype)} bytes; give more memory")
+        raise ValueError(f"kv_cache_memory={config.kv_cache_memory!r} holds no block of {per_block} bytes; "
+                         "give more memory")
     return n
+
+
+def chunks_of(batch: ScheduledBatch) -> list[Chunk]:
+    """The scheduler's (sequence, new tokens) pairs as chunks: a sequence with everything but its last
+    token cached decodes; one with drafts verifies them (see spec_decode.py); the rest prefill."""
+    chunks = []
+    for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+        start = seq.num_computed_tokens
+        real = min(n, seq.num_tokens - start)  # the rest of n are drafts
+        tokens = seq.token_ids[start:start + real] + seq.draft_token_ids[:n - real]
+        chunks.append(Chunk(seq, start, tokens, decode=start > 0 and real == 1))
+    return chunks
+
+
+def prompt_rows(chunks: list[Chunk], rows: list[int]) -> list[tuple[Sequence, slice]]:
+    """For each chunk (first flat row in `rows`) of a sequence wanting prompt logprobs, the flat rows
+    that predict a prompt token not yet scored: the row at position p predicts token p + 1, and a
+    recompute after preemption skips the tokens already scored."""
+    out = []
+    for c, r in zip(chunks, rows, strict=True):
+        seq = c.seq
+        if seq.params.prompt_logprobs is None:
+            continue
+        first = max(c.start + 1, len(seq.prompt_logprobs))  # target token positions first … last - 1
+        last = min(c.start + len(c.token_ids) + 1, seq.num_prompt_tokens)
+        if first < last:
+            out.append((seq, slice(r + first - 1 - c.start, r + last - 1 - c.start)))
+    return out
 
 
 class Runner:
@@ -38,71 +85,156 @@ class Runner:
         self.block_size = config.block_size
         weight = model.embed_tokens.weight
         self.device = weight.device
-        self.caches = [PagedLatentCache(model.cfg, num_blocks, config.block_size, weight.dtype, weight.device)
-                       for _ in model.layers]
 
-    def prepare(self, batch: ScheduledBatch):
-        """→ input ids (1, T), positions (T,), AttentionMetadata, sample rows (N,) = flat index of the last
-        token of each sequence that samples this step, and those N sequences. Sequences are laid out
-        decodes first (see kv_cache.py)."""
-        decodes, prefills = [], []
-        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            (decodes if n == 1 and seq.num_computed_tokens > 0 else prefills).append((seq, n))
-        order = decodes + prefills
+        def pool(kv_b_name=None):
+            return PagedLatentCache(model.cfg, num_blocks, config.block_size, weight.dtype, weight.device, kv_b_name,
+                                    int8=config.kv_cache_dtype == "int8")
+
+        self.caches = [pool(f"layers.{i}.self_attn.kv_b_proj") for i in range(len(model.layers))]
+        self.mtp_caches = [pool() for _ in model.mtp] if config.speculative_tokens else []
+        self.lora: LoRAManager | None = LoRAManager(model) if config.enable_lora else None
+
+    def prepare(self, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """→ input ids (1, T), positions (T,), AttentionMetadata, and the flat row of each chunk's first
+        token (in the order given). Decode rows go first (see kv_cache.py)."""
+        order = [c for c in chunks if c.decode] + [c for c in chunks if not c.decode]
         bs = self.block_size
-        input_ids, starts, tables, sample_rows, sample_seqs = [], [], [], [], []
-        flat = 0
-        for seq, n in order:
-            start = seq.num_computed_tokens
-            input_ids.extend(seq.token_ids[start:start + n])
-            starts.append(start)
-            tables.append(seq.block_table)
-            flat += n
-            if start + n == seq.num_tokens:
-                sample_rows.append(flat - 1)
-                sample_seqs.append(seq)
-        # Vectorized slot mapping: token k of sequence j sits at block_table[j][pos // L] · L + pos % L.
+        input_ids, first_row, flat = [], {}, 0
+        for c in order:
+            first_row[id(c)] = flat
+            input_ids.extend(c.token_ids)
+            flat += len(c.token_ids)
+        # Vectorized slot mapping: token k of chunk j sits at block_table[j][pos // L] · L + pos % L.
+        tables = [c.seq.block_table for c in order]
         max_blocks = max(len(t) for t in tables)
-        table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long)
-        lens = torch.tensor([n for _, n in order])
-        starts = torch.tensor(starts)
-        seq_of_token = torch.repeat_interleave(torch.arange(len(order)), lens)  # (T,)
-        offsets = torch.arange(int(lens.sum())) - torch.repeat_interleave(lens.cumsum(0) - lens, lens)
-        pos = starts[seq_of_token] + offsets  # (T,)
-        slots = table[seq_of_token, pos // bs] * bs + pos % bs
-        nd = len(decodes)
+        table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long)  # (C, blocks)
+        lens = torch.tensor([len(c.token_ids) for c in order])
+        starts = torch.tensor([c.start for c in order])
+        chunk_of_token = torch.repeat_interleave(torch.arange(len(order)), lens)  # (T,)
+        offsets = torch.arange(flat) - torch.repeat_interleave(lens.cumsum(0) - lens, lens)
+        pos = starts[chunk_of_token] + offsets  # (T,)
+        slots = table[chunk_of_token, pos // bs] * bs + pos % bs
+        decodes = [c for c in order if c.decode]
+        prefills = order[len(decodes):]
+        nd = sum(len(c.token_ids) for c in decodes)  # decode rows
         decode_tables = decode_mask = None
         if nd:
-            width = max(len(s.block_table) for s, _ in decodes)
-            decode_tables = table[:nd, :width]
-            context_lens = starts[:nd] + 1
+            context_lens = pos[:nd] + 1  # each row sees the cache up to and including itself
+            width = -(-int(context_lens.max()) // bs)
+            decode_tables = table[chunk_of_token[:nd], :width]  # (Nd, width)
             decode_mask = (torch.arange(width * bs) < context_lens[:, None])[:, None, None, :]
-        prefill_tables = [table[nd + i, :-(-(seq.num_computed_tokens + n) // bs)]
-                          for i, (seq, n) in enumerate(prefills)]
+        prefill_tables = [table[len(decodes) + i, :-(-(c.start + len(c.token_ids)) // bs)]
+                          for i, c in enumerate(prefills)]
         to = self.device
         metadata = AttentionMetadata(
             slot_mapping=slots.to(to), num_decodes=nd,
             decode_block_tables=None if decode_tables is None else decode_tables.to(to),
             decode_mask=None if decode_mask is None else decode_mask.to(to),
             prefill_block_tables=[t.to(to) for t in prefill_tables],
-            prefill_query_lens=[n for _, n in prefills],
-            prefill_context_lens=[seq.num_computed_tokens + n for seq, n in prefills],
+            prefill_query_lens=[len(c.token_ids) for c in prefills],
+            prefill_context_lens=[c.start + len(c.token_ids) for c in prefills],
             # query i of a chunk sits at position context_len - q_len + i and sees keys up to it
-            prefill_masks=[torch.ones(n, seq.num_computed_tokens + n, dtype=torch.bool, device=to)
-                           .tril(seq.num_computed_tokens) for seq, n in prefills],
+            prefill_masks=[torch.ones(len(c.token_ids), c.start + len(c.token_ids), dtype=torch.bool, device=to)
+                           .tril(c.start) for c in prefills],
         )
+        self._set_lora(metadata, [c.seq for c in order], [len(c.token_ids) for c in order], nd)
         ids = torch.tensor([input_ids], dtype=torch.long, device=to)
-        return ids, pos.to(to), metadata, torch.tensor(sample_rows, device=to), sample_seqs
+        return ids, pos.to(to), metadata, [first_row[id(c)] for c in chunks]
+
+    def _clear_lora(self) -> None:
+        if self.lora is not None:
+            self.lora.clear_step()
+
+    def _set_lora(self, metadata: AttentionMetadata, seqs: list[Sequence], lens: list[int], nd: int) -> None:
+        """Tell the LoRA hooks and the caches which adapter each flat token uses (seqs, lens in flat order;
+        the first nd tokens are decode rows)."""
+        if self.lora is None:
+            return
+        self.lora.set_step([s.lora for s in seqs], lens, self.device)
+        if self.lora.token_adapter is not None:
+            metadata.lora = self.lora
+            metadata.decode_adapter = self.lora.token_adapter[:nd]
+            starts = torch.tensor([0] + lens).cumsum(0)
+            metadata.prefill_adapters = [int(self.lora.token_adapter[starts[i]]) for i in range(len(seqs))
+                                         if starts[i] >= nd]
+
+    @torch.inference_mode()
+    def forward(self, chunks: list[Chunk]) -> tuple[torch.Tensor, list[int]]:
+        """The main model over `chunks` → hidden before the final norm (T, H), first row per chunk."""
+        ids, positions, metadata, rows = self.prepare(chunks)
+        for cache in self.caches:
+            cache.metadata = metadata
+        try:
+            hidden, _, _ = self.model.hidden(ids, positions=positions, kv_caches=self.caches)  # (1, T, H)
+        finally:
+            self._clear_lora()
+        return hidden[0], rows
+
+    @torch.inference_mode()
+    def forward_mtp(self, depth: int, chunks: list[Chunk],
+                    h_prev: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
+        """MTP module `depth` (0-based) over `chunks`, whose token ids are the *next* tokens (position t
+        carries token t+1); h_prev: per chunk the previous depth's hidden (len, H) → this module's
+        hidden before its norm (T, H), and the first flat row per chunk."""
+        ids, positions, metadata, rows = self.prepare(chunks)
+        cache = self.mtp_caches[depth]
+        cache.metadata = metadata
+        model = self.model
+        flat = h_prev[0].new_empty(ids.shape[1], h_prev[0].shape[-1])  # (T, H) in prepare's layout
+        for h, r in zip(h_prev, rows, strict=True):
+            flat[r:r + h.shape[0]] = h
+        cos, sin = model.rotary(positions)
+        self._clear_lora()  # the MTP modules take no LoRA
+        h = model.mtp[depth](flat[None], model.embed_tokens(ids), cos, sin, kv_cache=cache)  # (1, T, H)
+        return h[0], rows
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
-        """→ logits (N, V) fp32 for the N sequences that sample this step, and those sequences."""
-        ids, positions, metadata, sample_rows, sample_seqs = self.prepare(batch)
-        for cache in self.caches:
-            cache.metadata = metadata
+        """One plain step → logits (N, V) fp32 for the N sequences that sample, those sequences, and for
+        each sequence wanting prompt logprobs the fp32 logits (R, V) of the rows that predict its next R
+        prompt tokens (the first is its token number len(seq.prompt_logprobs))."""
+        chunks = chunks_of(batch)
+        hidden, rows = self.forward(chunks)
+        prompt_logits = [(seq, self.logits(hidden[r])) for seq, r in prompt_rows(chunks, rows)]
+        sample = [(r + len(c.token_ids) - 1, c.seq) for c, r in zip(chunks, rows, strict=True)
+                  if c.start + len(c.token_ids) == c.seq.num_tokens]
+        if not sample:
+            return hidden.new_empty(0, self.model.cfg.vocab_size).float(), [], prompt_logits
+        last = hidden[[r for r, _ in sample]]  # only the sampled rows reach the head
+        return self.logits(last), [s for _, s in sample], prompt_logits
+
+    @torch.inference_mode()
+    def decode_steps(self, seqs: list[Sequence], num_steps: int, draw) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Multi-step decoding: `num_steps` decode steps for `seqs` (each with only its last token not yet
+        computed, and blocks for num_steps tokens from there), sampling on the model side: each step's
+        ids (B,) = draw(logits (B, V)) feed the next step as tensors, and the metadata advances by
+        tensor ops, so no per-sequence Python runs between steps. → per step (ids (B,), logits (B, V))."""
+        bs, to, b = self.block_size, self.device, len(seqs)
+        width = max(len(s.block_table) for s in seqs)
+        tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], device=to)  # (B, W)
+        pos = torch.tensor([s.num_tokens - 1 for s in seqs], device=to)  # (B,) position of the token computed
+        ids = torch.tensor([s.token_ids[-1] for s in seqs], device=to)
+        rows, key_pos = torch.arange(b, device=to), torch.arange(width * bs, device=to)
+        steps = []
+        for _ in range(num_steps):
+            metadata = AttentionMetadata(
+                slot_mapping=tables[rows, pos // bs] * bs + pos % bs, num_decodes=b, decode_block_tables=tables,
+                decode_mask=(key_pos < pos[:, None] + 1)[:, None, None, :],  # (B, 1, 1, W·L)
+                prefill_block_tables=[], prefill_query_lens=[], prefill_context_lens=[], prefill_masks=[])
+            self._set_lora(metadata, seqs, [1] * b, b)
+            for cache in self.caches:
+                cache.metadata = metadata
+            try:
+                hidden, _, _ = self.model.hidden(ids[None], positions=pos, kv_caches=self.caches)  # (1, B, H)
+            finally:
+                self._clear_lora()
+            logits = self.logits(hidden[0])
+            ids = draw(logits)
+            steps.append((ids, logits))
+            pos = pos + 1
+        return steps
+
+    def logits(self, hidden: torch.Tensor, norm=None) -> torch.Tensor:
+        """hidden (N, H) before a norm (default the main model's) → fp32 logits (N, V)."""
         model = self.model
-        hidden, _, _ = model.hidden(ids, positions=positions, kv_caches=self.caches)  # (1, T, H)
-        if not sample_seqs:
-            return hidden.new_empty(0, model.cfg.vocab_size).float(), []
-        last = hidden[0, sample_rows]  # only the sampled rows reach the head
-        return model.lm_head(model.norm(last)).float(), sample_seqs
+        return model.lm_head((norm or model.norm)(hidden)).float()

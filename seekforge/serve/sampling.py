@@ -1,8 +1,9 @@
 """Batched sampling: one pass over the (N, V) logits of all sequences that sample this step.
 
 Order, per row: penalties (repetition over prompt + output; presence / frequency over output) →
-stop tokens masked until min_tokens → temperature → top-k, top-p, min-p (one sort serves all three)
-→ draw. Greedy rows take the argmax of the penalized logits.
+the structured-output grammar's mask (structured.py) → stop tokens masked until min_tokens →
+temperature → top-k, top-p, min-p (one sort serves all three) → draw.
+Greedy rows take the argmax of the penalized, masked logits.
 
 The draw uses the exponential-race form of sampling: argmax(p / E) with E ~ Exp(1) i.i.d. picks index
 i with probability p_i, and lets every row draw from its own stream: seeded sequences fill their
@@ -18,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from seekforge.serve.sequence import Sequence
+from seekforge.serve.structured import allowed_tokens
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -61,36 +63,82 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
 
 
+def adjusted_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """logits (N, V) → penalized, masked to what each row's grammar allows next, with stop tokens
+    masked until min_tokens: what greedy rows argmax and sampled rows scale by temperature. Returns
+    `logits` itself when nothing applies. A row's mask is its matcher's current state, so each row
+    must be its sequence's next token (no speculative draft rows for constrained sequences)."""
+    if any(s.params.has_penalties for s in seqs):
+        logits = apply_penalties(logits, seqs)
+    masked = logits
+    constrained = [i for i, s in enumerate(seqs) if s.matcher is not None]
+    if constrained:  # structured output: only the tokens the grammar allows next
+        allowed = allowed_tokens([seqs[i].matcher for i in constrained], logits.shape[1]).to(logits.device)
+        masked = logits.clone()
+        masked[constrained] = masked[constrained].masked_fill(~allowed, float("-inf"))
+    for i, seq in enumerate(seqs):
+        # (not under a grammar: where it allows only EOS, masking EOS would leave nothing to sample)
+        if seq.num_output_tokens < seq.params.min_tokens and seq.stop_token_ids and seq.matcher is None:
+            if masked is logits:
+                masked = logits.clone()
+            masked[i, list(seq.stop_token_ids)] = float("-inf")
+    return masked
+
+
+def token_probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """adjusted logits (N, V) → the distribution each row draws from (N, V): temperature, top-k,
+    top-p, min-p, softmax; a greedy row is one-hot at its argmax (speculative decoding verifies
+    greedy and sampled rows with the same rejection rule, spec_decode.py)."""
+    params = [s.params for s in seqs]
+    device = logits.device
+    temperature = torch.tensor([p.temperature or 1.0 for p in params], device=device)
+    scaled = logits / temperature[:, None]
+    if any(p.top_k or p.top_p < 1 or p.min_p > 0 for p in params):
+        scaled = filter_logits(scaled, torch.tensor([p.top_k for p in params], device=device),
+                               torch.tensor([p.top_p for p in params], device=device),
+                               torch.tensor([p.min_p for p in params], device=device))
+    probs = scaled.softmax(dim=-1)
+    is_greedy = torch.tensor([p.greedy for p in params], device=device)
+    if is_greedy.any():
+        one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        probs = torch.where(is_greedy[:, None], one_hot, probs)
+    return probs
+
+
+def exponential_noise(seqs: list[Sequence], num_rows_per_seq: int, vocab: int, device) -> torch.Tensor:
+    """Exp(1) noise (N · num_rows_per_seq, V) for exponential-race draws, seq i owning rows
+    i·num_rows_per_seq …; a seeded sequence fills its rows from its own generator."""
+    noise = torch.empty(len(seqs) * num_rows_per_seq, vocab, device=device).exponential_()
+    for i, seq in enumerate(seqs):
+        if seq.generator is not None and not seq.params.greedy:
+            rows = slice(i * num_rows_per_seq, (i + 1) * num_rows_per_seq)
+            noise[rows] = torch.empty(num_rows_per_seq, vocab).exponential_(generator=seq.generator).to(device)
+    return noise
+
+
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[dict | None]]:
     """logits (N, V) fp32 for seqs → next token ids and, per row, logprob info (None if not asked)."""
-    raw = logits
+    next_ids = sample_ids(logits, seqs)
+    return next_ids.tolist(), logprob_infos(logits, next_ids, seqs)
+
+
+def sample_ids(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """logits (N, V) → next token ids (N,) on logits' device (multi-step decoding feeds them straight
+    back into the model)."""
+    adjusted = adjusted_logits(logits, seqs)
+    greedy_ids = adjusted.argmax(dim=-1)
+    if all(s.params.greedy for s in seqs):
+        return greedy_ids
+    probs = token_probs(adjusted, seqs)
+    sampled = (probs / exponential_noise(seqs, 1, probs.shape[1], probs.device)).argmax(dim=-1)
+    is_greedy = torch.tensor([s.params.greedy for s in seqs], device=logits.device)
+    return torch.where(is_greedy, greedy_ids, sampled)
+
+
+def logprob_infos(raw: torch.Tensor, next_ids: torch.Tensor, seqs: list[Sequence]) -> list[dict | None]:
+    """raw logits (N, V) and the chosen ids (N,) → per row {"token_id", "logprob", "top"} for the
+    sequences that asked for logprobs, else None."""
     params = [s.params for s in seqs]
-    if any(p.has_penalties for p in params):
-        logits = apply_penalties(logits, seqs)
-    for i, seq in enumerate(seqs):
-        if seq.num_output_tokens < seq.params.min_tokens and seq.stop_token_ids:
-            if logits is raw:
-                logits = logits.clone()
-            logits[i, list(seq.stop_token_ids)] = float("-inf")
-    greedy_ids = logits.argmax(dim=-1)
-    if all(p.greedy for p in params):
-        next_ids = greedy_ids
-    else:
-        device = logits.device
-        temperature = torch.tensor([p.temperature or 1.0 for p in params], device=device)
-        scaled = logits / temperature[:, None]
-        if any(p.top_k or p.top_p < 1 or p.min_p > 0 for p in params):
-            scaled = filter_logits(scaled, torch.tensor([p.top_k for p in params], device=device),
-                                   torch.tensor([p.top_p for p in params], device=device),
-                                   torch.tensor([p.min_p for p in params], device=device))
-        probs = scaled.softmax(dim=-1)
-        noise = torch.empty_like(probs).exponential_()
-        for i, seq in enumerate(seqs):
-            if seq.generator is not None and not seq.params.greedy:
-                noise[i] = torch.empty(probs.shape[1]).exponential_(generator=seq.generator).to(device)
-        sampled = (probs / noise).argmax(dim=-1)
-        is_greedy = torch.tensor([p.greedy for p in params], device=device)
-        next_ids = torch.where(is_greedy, greedy_ids, sampled)
     token_ids = next_ids.tolist()
     infos: list[dict | None] = [None] * len(seqs)
     wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
@@ -104,4 +152,17 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[
             ki = params[i].logprobs
             top_pairs = list(zip(top.indices[j, :ki].tolist(), top.values[j, :ki].tolist(), strict=True)) if ki else []
             infos[i] = {"token_id": token_ids[i], "logprob": chosen[j], "top": top_pairs}
-    return token_ids, infos
+    return infos
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], k: int) -> list[dict]:
+    """logits (R, V) fp32 and the R tokens that followed → per row {"token_id", "logprob", "rank" (1 =
+    the most likely token), "top": [(id, logprob)] × k}: prompt logprobs, as vLLM reports them."""
+    logp = logits.log_softmax(dim=-1)
+    targets = torch.tensor(token_ids, device=logits.device)[:, None]  # (R, 1)
+    chosen = logp.gather(1, targets)  # (R, 1)
+    ranks = (logp > chosen).sum(dim=-1) + 1
+    top = logp.topk(k, dim=-1) if k else None
+    return [{"token_id": t, "logprob": lp, "rank": r,
+             "top": list(zip(top.indices[i].tolist(), top.values[i].tolist(), strict=True)) if k else []}
+            for i, (t, lp, r) in enumerate(zip(token_ids, chosen[:, 0].tolist(), ranks.tolist(), strict=True))]

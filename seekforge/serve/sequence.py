@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from seekforge.serve.structured import StructuredOutput
+
 
 @dataclass
 class SamplingParams:
@@ -35,6 +37,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k >= 0: the chosen token's logprob and the top k
+    prompt_logprobs: int | None = None  # vLLM: None off; k >= 0: each prompt token's logprob and the top k
+    structured: StructuredOutput | None = None  # a grammar the output must follow (structured.py)
+    skip_special_tokens: bool = True  # vLLM: leave special tokens out of the text
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -64,8 +69,9 @@ class SamplingParams:
         for key in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, key) <= 2:
                 bad(key, "must be in [-2, 2]")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            bad("logprobs", "must be in [0, 20]")
+        for key in ("logprobs", "prompt_logprobs"):
+            if getattr(self, key) is not None and not 0 <= getattr(self, key) <= 20:
+                bad(key, "must be in [0, 20]")
 
     @property
     def greedy(self) -> bool:
@@ -87,7 +93,7 @@ _seq_ids = itertools.count()
 
 class Sequence:
     def __init__(self, request_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams,
-                 max_tokens: int, eos_token_id: int | None, cache_salt: str | None = None):
+                 max_tokens: int, eos_token_id: int | None, cache_salt: str | None = None, lora=None):
         self.seq_id = next(_seq_ids)
         self.request_id = request_id
         self.index = index  # which of the request's n completions
@@ -101,6 +107,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []  # chained hashes of the full blocks, in order
         self.cache_salt = cache_salt
+        self.lora = lora  # a serve.lora.LoRAAdapter, or None for the base model
         self.stop_token_ids = set(params.stop_token_ids)
         if eos_token_id is not None and not params.ignore_eos:
             self.stop_token_ids.add(eos_token_id)
@@ -108,12 +115,27 @@ class Sequence:
         self.generator = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed + index)
+        # Speculative decoding (spec_decode.py): tokens the MTP modules proposed after the last one, not
+        # yet verified, and per draft the distribution it was drawn from (d, V) (None for greedy).
+        self.draft_token_ids: list[int] = []
+        self.draft_probs: torch.Tensor | None = None
+        self.matcher = None  # with params.structured: this sequence's llguidance matcher (set by the engine)
         self.logprobs: list[dict] = []  # per output token: {"token_id", "logprob", "top": [(id, logprob)]}
+        # per prompt token, as logprobs (+ "rank"), once computed; the first token has none (None)
+        self.prompt_logprobs: list[dict | None] = [None] if params.prompt_logprobs is not None else []
         self.finish_reason: str | None = None
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.num_preemptions = 0
+
+    @property
+    def cache_key(self) -> str | None:
+        """What keys this sequence's prefix-cache blocks besides its tokens: the cache salt and the LoRA
+        adapter (a load's unique id: latents computed under one adapter are not another's)."""
+        if self.lora is None:
+            return self.cache_salt
+        return f"{self.cache_salt or ''}\x00lora:{self.lora.lora_id}"
 
     @property
     def num_tokens(self) -> int:
@@ -134,3 +156,40 @@ class Sequence:
     def __repr__(self):
         return (f"Sequence(id={self.seq_id}, request={self.request_id!r}, tokens={self.num_tokens}, "
                 f"computed={self.num_computed_tokens}, blocks={len(self.block_table)}, {self.status.value})")
+
+
+@dataclass
+class SequenceUpdate:
+    """What one step did to a scheduled sequence: it computed `num_real` of its known tokens plus
+    `num_accepted` verified draft tokens, and proposes `token_ids` to append (the accepted drafts and
+    one sampled token; empty mid-prefill), with per token the logprob info (None if not asked). The
+    engine appends them one at a time until a stop condition; tokens past it are discarded."""
+
+    seq: Sequence
+    num_real: int
+    num_accepted: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    infos: list[dict | None] = field(default_factory=list)
+    # with SamplingParams.prompt_logprobs: fp32 logits (R, V) of the rows that predicted the sequence's
+    # next R unscored prompt tokens (the first is token number len(seq.prompt_logprobs))
+    prompt_logits: torch.Tensor | None = None
+
+
+class SequenceAhead:
+    """A view of `seq` as it will be once `extra` tokens follow it: what sampling reads (penalties over
+    the output so far, min_tokens, the generator, the grammar matcher), for scoring a draft's position
+    before it is accepted."""
+
+    def __init__(self, seq: Sequence, extra: list[int]):
+        self.params = seq.params
+        self.token_ids = seq.token_ids + extra if extra else seq.token_ids
+        self.num_prompt_tokens = seq.num_prompt_tokens
+        self.stop_token_ids = seq.stop_token_ids
+        self.generator = seq.generator
+        # a grammar's mask is its matcher's current state, right only with no extra tokens: constrained
+        # sequences get no drafts (SpecDecoder.propose), so their rows are never scored ahead
+        assert not (extra and seq.matcher is not None), "a constrained sequence has no drafts to score"
+        self.matcher = seq.matcher
+
+    num_output_tokens = Sequence.num_output_tokens  # the same properties over the extended tokens
+    output_token_ids = Sequence.output_token_ids

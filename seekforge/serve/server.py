@@ -2,11 +2,15 @@
 
 Endpoints: /v1/completions, /v1/chat/completions (both with SSE streaming, a final usage chunk under
 stream_options.include_usage, and the usage so far in every chunk under continuous_usage_stats, as in
-vLLM), /v1/models, /health, /metrics (Prometheus), POST /debug/trace?steps=N (a profiler trace of the
-next N engine steps, probe/trace.py).
+vLLM), /v1/models, /tokenize and /detokenize (vLLM's), /health, /metrics (Prometheus),
+POST /debug/trace?steps=N (a profiler trace of the next N engine steps, probe/trace.py).
+Completions take `echo` and prompt logprobs (`logprobs` + `max_tokens: 0` scores a prompt, as
+lm-eval's local-completions sends; vLLM's `prompt_logprobs`); both endpoints take structured output
+(response_format, guided_*, structured_outputs: structured.py); chat takes tools in DeepSeek-V3's
+format (tools.py).
 Every bad request gets a 400 in OpenAI's error shape ({"error": {"message", "type", "param",
-"code"}}); the engine keeps running. A client that disconnects has its request aborted and its KV
-blocks freed.
+"code"}}), an unknown model a 404 `model_not_found`; the engine keeps running. A client that
+disconnects has its request aborted and its KV blocks freed.
 """
 
 from __future__ import annotations
@@ -22,12 +26,28 @@ from collections.abc import AsyncIterator
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from seekforge.probe.trace import OnDemandTracer, StepTimer
 from seekforge.serve import limits
 from seekforge.serve.engine import AsyncEngine, RequestOutput, chat_prompt_ids
 from seekforge.serve.metrics import ServerMetrics
-from seekforge.serve.protocol import ChatCompletionRequest, CompletionRequest
+from seekforge.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    LoadLoRARequest,
+    TokenizeRequest,
+    UnloadLoRARequest,
+)
+from seekforge.serve.structured import StructuredOutput
+from seekforge.serve.tools import (
+    ToolCallStream,
+    check_tools,
+    messages_for_template,
+    parse_tool_calls,
+    tool_call_grammar,
+)
 
 log = logging.getLogger("seekforge.serve")
 
@@ -56,6 +76,13 @@ def _validation_message(exc: RequestValidationError) -> str:
     return "; ".join(parts) or "invalid request"
 
 
+def _validation_param(exc: RequestValidationError) -> str | None:
+    """The first offending field, as OpenAI's `param` names it (None for a body that is not JSON)."""
+    errors = exc.errors()
+    where = [str(x) for x in errors[0].get("loc", ()) if x != "body"] if errors else []
+    return ".".join(where) or None
+
+
 def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
               trace_dir: str = "traces") -> FastAPI:
     app = FastAPI(title="seekforge")
@@ -73,7 +100,14 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_, exc: RequestValidationError):
-        return APIError(_validation_message(exc)).response()
+        return APIError(_validation_message(exc), param=_validation_param(exc)).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        # an unknown route or method: OpenAI's error shape ("Invalid URL (POST /v1/x)"), not FastAPI's
+        message = f"Invalid URL ({request.method} {request.url.path})" if exc.status_code in (404, 405) \
+            else str(exc.detail)
+        return APIError(message, exc.status_code).response()
 
     @app.exception_handler(ValueError)
     async def _value_error(_, exc: ValueError):
@@ -95,13 +129,23 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
     v1 = [Depends(require_key)]
 
-    def check(req) -> None:
-        if req.model != model_name:
-            raise APIError(f"model {req.model!r} does not exist; this server serves {model_name!r}",
-                           code="model_not_found", param="model")
+    def check_model(name: str | None) -> str | None:
+        """→ the LoRA adapter `name` selects (None: the base model); an unknown model is OpenAI's 404."""
+        if name is None or name == model_name:
+            return None
+        if name not in core.lora_adapters:
+            raise APIError(f"The model {name!r} does not exist; this server serves {model_name!r}"
+                           + "".join(f", {a!r}" for a in core.lora_adapters), 404, code="model_not_found",
+                           param="model")
+        return name
+
+    def check(req) -> str | None:
+        """Validate; → the LoRA adapter the request's `model` names (None: the base model)."""
+        lora = check_model(req.model)
         problem = req.unsupported()
         if problem:
             raise APIError(problem)
+        return lora
 
     @app.get("/health")
     async def health():
@@ -117,57 +161,144 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
     @app.get("/v1/models", dependencies=v1)
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "seekforge", "max_model_len": core.max_model_len}]}
+        now = int(time.time())
+        base = {"id": model_name, "object": "model", "created": now, "owned_by": "seekforge",
+                "root": model_name, "parent": None, "max_model_len": core.max_model_len}
+        adapters = [{**base, "id": name, "root": adapter.path, "parent": model_name}
+                    for name, adapter in core.lora_adapters.items()]
+        return {"object": "list", "data": [base, *adapters]}
+
+    # LoRA adapters at run time, as vLLM names the endpoints (body {lora_name, lora_path} / {lora_name})
+    @app.post("/v1/load_lora_adapter", dependencies=v1)
+    async def load_lora_adapter(body: LoadLoRARequest):
+        if body.lora_name == model_name:
+            raise APIError(f"lora_name {body.lora_name!r} is the base model's name; pick another")
+        await asyncio.to_thread(core.load_lora, body.lora_name, body.lora_path)  # reads files: off the loop
+        return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")
+
+    @app.post("/v1/unload_lora_adapter", dependencies=v1)
+    async def unload_lora_adapter(body: UnloadLoRARequest):
+        try:
+            core.unload_lora(body.lora_name)
+        except KeyError:
+            raise APIError(f"the LoRA adapter {body.lora_name!r} cannot be found", 404, "not_found_error",
+                           param="lora_name") from None
+        return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
+
+    @app.post("/tokenize", dependencies=v1)
+    async def tokenize(req: TokenizeRequest):
+        check_model(req.model)
+        if req.messages is not None:
+            messages = messages_for_template([m.as_dict() for m in req.messages], req.tools)
+            text = tokenizer.apply_chat_template(messages, req.add_generation_prompt)
+        else:
+            text = req.prompt
+        # add_special_tokens: a BOS where the tokenizer puts one on prompts, as transformers does
+        add_bos = bool(req.add_special_tokens) and getattr(tokenizer, "add_bos_token", False)
+        ids = tokenizer.encode(text, add_bos=add_bos)
+        return {"count": len(ids), "max_model_len": core.max_model_len, "tokens": ids,
+                "token_strs": [_single_token_text(tokenizer, i) for i in ids] if req.return_token_strs else None}
+
+    @app.post("/detokenize", dependencies=v1)
+    async def detokenize(req: DetokenizeRequest):
+        check_model(req.model)
+        if req.tokens and (min(req.tokens) < 0 or max(req.tokens) >= core.model.cfg.vocab_size):
+            raise APIError(f"tokens must be ids in [0, {core.model.cfg.vocab_size})", param="tokens")
+        return {"prompt": tokenizer.decode(req.tokens)}
 
     @app.post("/v1/completions", dependencies=v1)
     async def completions(req: CompletionRequest, raw: Request):
-        check(req)
-        params = req.sampling_params(req.max_tokens, req.logprobs)
-        streams = [engine.generate(p, params, cache_salt=req.cache_salt) for p in req.prompts()]
+        lora = check(req)
+        params = req.completion_params()
+        streams = [engine.generate(p, params, cache_salt=req.cache_salt, lora_name=lora) for p in req.prompts()]
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        echo_only = req.max_tokens == 0  # score the prompt: show it, not the one token the engine ran
+        started: set[int] = set()  # choices whose first chunk went out (streaming: it alone has the prompt)
 
-        def choice(i: int, c, text: str, logprob_entries, finish_reason):
-            return {"index": i, "text": text, "finish_reason": finish_reason,
+        def choice(i: int, out: RequestOutput, text: str, logprob_entries, finish_reason):
+            first = i not in started
+            started.add(i)
+            if echo_only:
+                text, logprob_entries = "", [] if logprob_entries is not None else None
+                finish_reason = finish_reason and "length"
+            if req.echo and first:
+                text = tokenizer.decode(out.prompt_token_ids) + text
+                if logprob_entries is not None:
+                    logprob_entries = _prompt_entries(out) + logprob_entries
+            body = {"index": i, "text": text, "finish_reason": finish_reason,
                     "logprobs": _completion_logprobs(tokenizer, logprob_entries) if logprob_entries is not None
                     else None}
+            if req.prompt_logprobs is not None and first:
+                body["prompt_logprobs"] = _vllm_prompt_logprobs(tokenizer, out)
+            return body
 
         if req.stream:
             return _sse(_stream_chunks(streams, params.n, req, rid, created, "text_completion", choice,
-                                       metrics, model_name))
+                                       metrics, lora or model_name))
         finals = await _collect(streams, raw, metrics)
-        choices = [choice(k * params.n + c.index, c, c.text, c.logprobs, c.finish_reason)
+        choices = [choice(k * params.n + c.index, out, c.text, c.logprobs, c.finish_reason)
                    for k, out in enumerate(finals) for c in out.outputs]
-        return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
+        return {"id": rid, "object": "text_completion", "created": created, "model": lora or model_name,
                 "choices": choices, "usage": _usage(finals)}
 
     @app.post("/v1/chat/completions", dependencies=v1)
     async def chat(req: ChatCompletionRequest, raw: Request):
-        check(req)
+        lora = check(req)
         if not req.messages:
             raise APIError("messages is empty; give at least one message", param="messages")
-        prompt_ids = chat_prompt_ids(tokenizer, [m.as_dict() for m in req.messages], req.add_generation_prompt)
+        callable_tools = check_tools(req.tools, req.tool_choice)
+        use_tools = bool(callable_tools) and req.tool_choice != "none"
+        messages = messages_for_template([m.as_dict() for m in req.messages], req.tools if use_tools else None)
+        prompt_ids = chat_prompt_ids(tokenizer, messages, req.add_generation_prompt)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = req.sampling_params(req.max_new_tokens, logprobs)
-        streams = [engine.generate(prompt_ids, params, cache_salt=req.cache_salt)]
+        if use_tools:  # the call markers are special tokens in DeepSeek's tokenizer: keep them to parse
+            params.skip_special_tokens = False
+        if use_tools and req.tool_choice not in (None, "auto"):  # required / named: the format is enforced
+            if params.structured is not None:
+                raise APIError("tool_choice required or named cannot be combined with response_format / guided_*")
+            # a named function is called once; "required" calls several if parallel_tool_calls (OpenAI)
+            parallel = req.tool_choice == "required" and req.parallel_tool_calls
+            params.structured = StructuredOutput(grammar=tool_call_grammar(callable_tools, parallel))
+        streams = [engine.generate(prompt_ids, params, cache_salt=req.cache_salt, lora_name=lora)]
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        tool_streams: dict[int, ToolCallStream] = {}
 
-        def choice(i: int, c, text: str, logprob_entries, finish_reason, delta=False):
+        def choice(i: int, out: RequestOutput, text: str, logprob_entries, finish_reason, delta=False):
             lp = {"content": _chat_logprobs(tokenizer, logprob_entries)} if logprob_entries is not None else None
-            body = {"role": "assistant", "content": text} if not delta else {"content": text}
+            body: dict = {} if delta else {"role": "assistant"}
+            if use_tools and delta:
+                content, calls = tool_streams.setdefault(i, ToolCallStream()).update(
+                    out.outputs[i].text, finish_reason is not None)
+                body["content"] = content
+                if calls:
+                    body["tool_calls"] = calls
+                if finish_reason == "stop" and tool_streams[i].num_calls:
+                    finish_reason = "tool_calls"
+            elif use_tools:
+                content, calls = parse_tool_calls(text)
+                body["content"] = content
+                if calls:
+                    body["tool_calls"] = calls
+                    finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+            else:
+                body["content"] = text
             return {"index": i, "delta" if delta else "message": body, "logprobs": lp,
                     "finish_reason": finish_reason}
 
+        def response_extras(out: RequestOutput) -> dict:
+            return {"prompt_logprobs": _vllm_prompt_logprobs(tokenizer, out)} if req.prompt_logprobs is not None else {}
+
         if req.stream:
-            def delta_choice(i, c, text, entries, finish_reason):
-                return choice(i, c, text, entries, finish_reason, delta=True)
+            def delta_choice(i, out, text, entries, finish_reason):
+                return choice(i, out, text, entries, finish_reason, delta=True)
 
             return _sse(_stream_chunks(streams, params.n, req, rid, created, "chat.completion.chunk",
-                                       delta_choice, metrics, model_name, role_first=True))
+                                       delta_choice, metrics, lora or model_name, role_first=True))
         finals = await _collect(streams, raw, metrics)
-        choices = [choice(c.index, c, c.text, c.logprobs, c.finish_reason) for c in finals[0].outputs]
-        return {"id": rid, "object": "chat.completion", "created": created, "model": model_name,
-                "choices": choices, "usage": _usage(finals)}
+        choices = [choice(c.index, finals[0], c.text, c.logprobs, c.finish_reason) for c in finals[0].outputs]
+        return {"id": rid, "object": "chat.completion", "created": created, "model": lora or model_name,
+                "choices": choices, "usage": _usage(finals), **response_extras(finals[0])}
 
     return app
 
@@ -184,6 +315,12 @@ def _single_token_text(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id])
 
 
+def _prompt_entries(out: RequestOutput) -> list[dict]:
+    """The prompt's logprob entries for echo: the first token has no logprob (null), as in OpenAI."""
+    first = {"token_id": out.prompt_token_ids[0], "logprob": None, "top": None}
+    return [first, *out.prompt_logprobs[1:]]
+
+
 def _completion_logprobs(tokenizer, entries: list[dict]) -> dict:
     tokens = [_single_token_text(tokenizer, e["token_id"]) for e in entries]
     offsets, pos = [], 0
@@ -191,8 +328,22 @@ def _completion_logprobs(tokenizer, entries: list[dict]) -> dict:
         offsets.append(pos)
         pos += len(t)
     return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{_single_token_text(tokenizer, i): lp for i, lp in e["top"]} for e in entries],
+            "top_logprobs": [None if e["top"] is None else {_single_token_text(tokenizer, i): lp for i, lp in e["top"]}
+                             for e in entries],
             "text_offset": offsets}
+
+
+def _vllm_prompt_logprobs(tokenizer, out: RequestOutput) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: per prompt token None (the first) or {token id: {"logprob", "rank",
+    "decoded_token"}} holding the prompt token and the top k."""
+    result: list[dict | None] = [None]
+    for e in out.prompt_logprobs[1:]:
+        entry = {str(e["token_id"]): {"logprob": e["logprob"], "rank": e["rank"],
+                                      "decoded_token": _single_token_text(tokenizer, e["token_id"])}}
+        for rank, (i, lp) in enumerate(e["top"], 1):
+            entry.setdefault(str(i), {"logprob": lp, "rank": rank, "decoded_token": _single_token_text(tokenizer, i)})
+        result.append(entry)
+    return result
 
 
 def _chat_logprobs(tokenizer, entries: list[dict]) -> list[dict]:
@@ -301,7 +452,7 @@ async def _stream_chunks(streams, n: int, req, rid: str, created: int, obj: str,
                 if len(c.token_ids) > sent_tokens.get(i, 0) or c.finish_reason:
                     sent_text[i] = len(c.text)
                     sent_tokens[i] = len(c.token_ids)
-                    yield chunk([choice(i, c, text, entries, c.finish_reason)])
+                    yield chunk([choice(i, out, text, entries, c.finish_reason)])
                 if c.finish_reason:
                     finished_choices.add(i)
             if out.finished:
@@ -331,12 +482,22 @@ def add_arguments(p):
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="auto: bfloat16 where the hardware runs it natively (GPU, AVX512-BF16/AMX), else float32")
     p.add_argument("--kv-cache-memory", default="512MiB", help="memory for the paged latent KV cache")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default="auto",
+                   help="int8: cache c_kv and k_pe per token in int8 with an fp32 scale (about 1/2 of bf16's bytes)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--no-chunked-prefill", action="store_true")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--speculative-tokens", type=int, default=0,
+                   help="k > 0: the model's MTP modules draft k tokens per step, one pass verifies them")
+    p.add_argument("--num-scheduler-steps", type=int, default=1,
+                   help="N > 1: N decode steps per scheduler pass while no prefill waits")
+    p.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters (POST /v1/load_lora_adapter at run time); implied by --lora-modules")
+    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="PEFT LoRA adapter directories to load at start; a request's `model` selects one by NAME")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--log-level", default="info")
     p.add_argument("--trace-dir", default="traces", help="where POST /debug/trace and SIGUSR2 write profiler traces")
@@ -349,14 +510,27 @@ def engine_config_from_args(args):
     return EngineConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=args.max_model_len, enable_chunked_prefill=not args.no_chunked_prefill,
-                        enable_prefix_caching=not args.no_prefix_caching)
+                        enable_prefix_caching=not args.no_prefix_caching, kv_cache_dtype=args.kv_cache_dtype,
+                        speculative_tokens=args.speculative_tokens, num_scheduler_steps=args.num_scheduler_steps,
+                        enable_lora=args.enable_lora or bool(args.lora_modules))
+
+
+def parse_lora_modules(specs: list[str]) -> list[tuple[str, str]]:
+    """["name=path", ...] → [(name, path)]."""
+    pairs = []
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules {spec!r}: write NAME=PATH (a PEFT adapter directory)")
+        pairs.append((name, path))
+    return pairs
 
 
 def run(args):
     import torch
 
-    from seekforge.model.load import load_model
     from seekforge.model.precision import resolve_dtype
+    from seekforge.quant.load import load_model  # quantized checkpoints too
     from seekforge.serve.engine import LLMEngine
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -365,7 +539,10 @@ def run(args):
     dtype, why = resolve_dtype(args.dtype)
     logging.getLogger("seekforge.serve").info("dtype: %s", why)
     model, tokenizer = load_model(args.model, dtype)
-    engine = AsyncEngine(LLMEngine(model, tokenizer, engine_config_from_args(args)))
+    core = LLMEngine(model, tokenizer, engine_config_from_args(args))
+    for name, path in parse_lora_modules(args.lora_modules):
+        core.load_lora(name, path)
+    engine = AsyncEngine(core)
     app = build_app(engine, args.served_model_name or args.model, args.api_key, args.trace_dir)
     app.state.tracer.install_signal()
     try:

@@ -6,6 +6,7 @@ Layout under `<out_dir>/checkpoints/`:
     step_000100/config.json  the ModelConfig (HF keys), so a checkpoint rebuilds its own model
     step_000100/rank0.rng.json  rank-local RNG states (torch CPU/CUDA, python, numpy) as JSON
     step_000100/manifest.json   every other file's size and sha256, written last (train/integrity.py)
+    step_000100/layout.json  the saving layout: every weight's placement (parallel/layout.Layout)
     latest              text file naming the newest complete checkpoint, written last
 
 Nothing is unpickled freely: RNG states and the config are JSON, and DCP's own unpickling (its
@@ -59,6 +60,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from seekforge.errors import CorruptFileError, UserError
+from seekforge.parallel.layout import layout_of_model
 from seekforge.train import integrity
 from seekforge.train.safe_dcp import SafePlanner, SafeReader
 
@@ -177,6 +179,7 @@ def save_checkpoint(ckpt_root: str | Path, step: int, model, optimizer=None, sch
         state["trainer"]["scheduler"] = scheduler.state_dict()
     if loader is not None:
         state["trainer"]["loader"] = loader.state_dict()
+    layout = layout_of_model(modules)  # collective: every rank's placements, before any rank can fail alone
     error = None
     try:
         if _rank() == 0:
@@ -190,6 +193,8 @@ def save_checkpoint(ckpt_root: str | Path, step: int, model, optimizer=None, sch
             with _quiet_dcp():
                 dcp.save(state, checkpoint_id=str(tmp))  # collective; raises on every rank if one fails
             (tmp / f"rank{_rank()}.rng.json").write_text(json.dumps(rng_state()))
+            if _rank() == 0:  # where each weight lived when saved (parallel/layout.py); DCP itself needs no layout
+                layout.save(tmp / "layout.json")
             if _rank() == 0 and hasattr(modules[0], "cfg"):  # self-describing: convert and resume rebuild from it
                 (tmp / "config.json").write_text(json.dumps(modules[0].cfg.to_hf(), indent=2))
         except (OSError, CheckpointException) as e:

@@ -72,6 +72,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-checkpoint-fallback", dest="checkpoint_fallback", action="store_false",
                    default=argparse.SUPPRESS, help="a damaged latest checkpoint is an error, not a fallback to "
                                                    "the newest intact older one")
+    p.add_argument("--dry-run", action="store_true", default=False,
+                   help="print the --parallel layout's parameter bytes per rank and build this model on the meta "
+                        "device, parallelized under a fake process group of that many ranks; allocate nothing, "
+                        "train nothing (any size: --preset v3-671b --parallel pp=8,dp_shard=128,ep=64,tp=2)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="any TrainConfig field, e.g. --set warmup=50 --set model.num_hidden_layers=4; "
                         "fields are listed in seekforge/config.py (TrainConfig)")
@@ -95,6 +99,12 @@ def config_from_args(args) -> TrainConfig:
 
 
 def run(args) -> None:
+    if getattr(args, "dry_run", False):
+        from seekforge.parallel.materialize import dry_run
+
+        cfg = config_from_args(args)
+        print(dry_run(cfg.model_config(), cfg.parallel_config()))
+        return
     from seekforge.train.pretrain import pretrain  # torch.distributed, data and model: only when it runs
 
     pretrain(config_from_args(args))

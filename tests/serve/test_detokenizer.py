@@ -175,3 +175,14 @@ def test_engine_streams_the_one_shot_decode(tiny_model):
         assert c.text == BYTE.decode(c.token_ids) and len(c.token_ids) == 60
     assert any("\ufffd" in c.text for c in out.outputs) and any(ord(ch) > 127 and ch != "\ufffd"
                                                                for c in out.outputs for ch in c.text)
+
+
+@pytest.mark.parametrize("skip, text", [(True, "hi"), (False, "h<|pad|>i")])
+def test_special_tokens_kept_when_asked(skip, text):
+    """skip_special_tokens=False (vLLM's field; the server sets it for tool calls, whose markers are
+    special tokens in DeepSeek's tokenizer) keeps their text in the output."""
+    detok = IncrementalDetokenizer(BYTE, [], skip_special_tokens=skip)
+    for token_id in [104, BYTE.pad_token_id, 105]:
+        detok.add(token_id)
+    detok.finish()
+    assert detok.text == text

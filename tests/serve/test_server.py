@@ -160,13 +160,12 @@ def test_stop_strings(client, offline, byte_tokenizer):
 
 @pytest.mark.parametrize("body, message", [
     (b"{not json", "not valid JSON"),
-    (json.dumps({"model": "gpt-4", "prompt": "x"}).encode(), "does not exist"),
     (json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 0}).encode(), "max_tokens"),
     (json.dumps({"model": "tiny", "prompt": "x", "max_tokens": -3}).encode(), "max_tokens"),
     (json.dumps({"model": "tiny", "prompt": "x" * 600}).encode(), "context length"),
     (json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 600}).encode(), "context length"),
     (json.dumps({"model": "tiny", "prompt": "x", "frobnicate": 1}).encode(), "unsupported parameter"),
-    (json.dumps({"model": "tiny", "prompt": "x", "echo": True}).encode(), "echo"),
+    (json.dumps({"model": "tiny", "prompt": "x", "suffix": "y"}).encode(), "suffix"),
     (json.dumps({"model": "tiny", "prompt": "x", "logit_bias": {"1": 2}}).encode(), "logit_bias"),
     (json.dumps({"model": "tiny", "prompt": "x", "temperature": -1}).encode(), "temperature"),
     (json.dumps({"model": "tiny"}).encode(), "prompt"),
@@ -184,11 +183,13 @@ def test_errors_are_openai_400s(live_server, body, message):
 
 
 def test_errors_through_openai_client(client):
-    with pytest.raises(openai.BadRequestError, match="does not exist"):
+    with pytest.raises(openai.NotFoundError, match="does not exist") as e:  # OpenAI: 404 model_not_found
         client.completions.create(model="nope", prompt="x")
-    with pytest.raises(openai.BadRequestError, match="tools"):
+    assert e.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError, match="tool_choice"):
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
-                                       tools=[{"type": "function", "function": {"name": "f"}}])
+                                       tools=[{"type": "function", "function": {"name": "f"}}],
+                                       tool_choice={"type": "function", "function": {"name": "g"}})
     # the engine survived all of that
     assert client.completions.create(model="tiny", prompt="ok", max_tokens=1).choices
 

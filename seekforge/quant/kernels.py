@@ -1,0 +1,61 @@
+"""Quantized matmuls on CPU, each next to the dequantize-then-matmul reference it must equal.
+
+Shape legend: M tokens, I in_features, O out_features, G groups.
+
+  W8A8  — `torch._int_mm`: int8 × int8 → int32 with exact integer accumulation, then one float
+          rescale by (token or tensor scale) × (channel scale). The reference dequantizes both
+          sides to fp32 and runs an fp32 matmul: the two differ only by fp32 summation order.
+  W4A16 — `torch.ops.aten._weight_int4pack_mm_for_cpu` (torch's own CPU int4 kernel, used by
+          gpt-fast and torchao's CPU int4 layout): chosen over torchao because it ships with torch
+          (no extra dependency, no CUDA-torch risk) and is what torchao itself calls on CPU. It
+          dequantizes each group in registers as w = (u − 8) · scale + zero, with u = q + 8 the
+          unsigned nibble; our (q − zp) · scale maps to zero = −zp · scale. It needs O % 16 == 0
+          and I % group == 0; other shapes (and non-CPU devices) take the reference path.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from seekforge.quant.schemes import quantize_activation
+
+INT4_INNER_K_TILES = 2  # torch's int4 packing layout parameter (2, 4 or 8); 2 accepts the smallest I
+
+
+def int8_matmul(x: torch.Tensor, qweight_t: torch.Tensor, weight_scale: torch.Tensor,
+                input_scale: torch.Tensor | None) -> torch.Tensor:
+    """x (M, I) float, qweight_t (I, O) int8, weight_scale (O,) fp32, input_scale (1,) or None (per
+    token) → (M, O) in x's dtype."""
+    xq, x_scale = quantize_activation(x, input_scale)
+    acc = torch._int_mm(xq, qweight_t)  # (M, O) int32, exact
+    return torch.mul(acc, x_scale * weight_scale).to(x.dtype)  # (M, 1)·(O,) → (M, O) rescale, one pass
+
+
+def int8_matmul_reference(x: torch.Tensor, weight: torch.Tensor, input_scale: torch.Tensor | None) -> torch.Tensor:
+    """Same contract with the dequantized weight (O, I): fake-quantize x, fp32 matmul."""
+    xq, x_scale = quantize_activation(x, input_scale)
+    return ((xq.float() * x_scale) @ weight.float().t()).to(x.dtype)
+
+
+def int4_pack(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, dtype: torch.dtype):
+    """q (O, I) int8 in [−8, 7], scale / zero_point (O, G) → (packed weight, scales_and_zeros (G, O, 2))
+    in the layout `_weight_int4pack_mm_for_cpu` reads; `dtype` is the activations' dtype."""
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu((q.to(torch.int32) + 8), INT4_INNER_K_TILES)
+    zero = torch.zeros_like(scale) if zero_point is None else -zero_point.float() * scale
+    return packed, torch.stack([scale.t(), zero.t()], dim=-1).to(dtype).contiguous()
+
+
+def int4_supported(x: torch.Tensor, out_features: int, in_features: int, group_size: int) -> bool:
+    return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and out_features % 16 == 0
+            and in_features % group_size == 0 and group_size in (32, 64, 128, 256))
+
+
+def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    """x (M, I) fp32/bf16 → (M, O)."""
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), packed, group_size, scales_and_zeros)
+
+
+def dequantized_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The weight-only reference: x (M, I) @ dequantized weight (O, I)ᵀ in x's dtype."""
+    return F.linear(x, weight.to(x.dtype))
