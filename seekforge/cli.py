@@ -10,6 +10,7 @@ import argparse
 import importlib
 import os
 import sys
+from pathlib import Path
 
 VERBS = {
     "info": ("seekforge.model.info", "print a model's size (total / activated / MTP parameters)"),
@@ -17,6 +18,7 @@ VERBS = {
     "pretrain": ("seekforge.train.cli", "pretrain a model (built-in corpus by default)"),
     "preprocess": ("seekforge.data.preprocess", "tokenize JSONL/text into Megatron .bin/.idx files"),
     "convert": ("seekforge.train.convert", "convert between seekforge checkpoints and HF format"),
+    "checkpoint": ("seekforge.train.checkpoint_cli", "verify a run's training checkpoints (sizes, sha256)"),
     "serve": ("seekforge.serve.server", "serve a model behind an OpenAI-compatible HTTP API"),
     "bench": ("seekforge.serve.bench", "benchmark a running server (`seekforge bench serve`)"),
     "plan": ("seekforge.plan.cli", "plan a training job: memory, pipeline schedules, stage balance, layout search"),
@@ -25,6 +27,22 @@ VERBS = {
     "eval": ("seekforge.quant.eval", "held-out perplexity and built-in task accuracy of any checkpoint"),
     "grpo": ("seekforge.rl.cli", "GRPO post-training with co-located rollouts (built-in task by default)"),
 }
+
+
+def is_user_error(e: BaseException) -> bool:
+    """A UserError, or a ValueError that seekforge's own code raised (STYLE.md: ValueError with the fix
+    for bad user input). A ValueError from inside torch or another library is not one: its message
+    names no file or fix, so it keeps its traceback."""
+    from seekforge.errors import UserError
+
+    if isinstance(e, UserError):
+        return True
+    if not isinstance(e, ValueError) or e.__traceback__ is None:
+        return False
+    tb = e.__traceback__
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return Path(tb.tb_frame.f_code.co_filename).resolve().is_relative_to(Path(__file__).resolve().parent)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -46,7 +64,9 @@ def main(argv: list[str] | None = None) -> None:
     args = verb_parser.parse_args(argv[1:])
     try:
         module.run(args)
-    except ValueError as e:  # bad user input: say what and how to fix it, no traceback
+    except ValueError as e:
+        if not is_user_error(e):
+            raise  # a bug (or a library failure nobody translated): the traceback is what helps
         import torch.distributed as dist  # already loaded by any verb that runs distributed
 
         # Under torchrun every rank fails alike; one message is enough.

@@ -489,6 +489,12 @@ class TrainConfig:
     save_interval: int = 100  # 0: save only at the end
     keep_checkpoints: int = 2
     resume: bool = True  # continue from out_dir/checkpoints/latest when it exists
+    # A damaged latest checkpoint (its manifest disagrees with its files): resume from the newest intact
+    # older one with a warning; False stops with an error naming the bad file instead.
+    checkpoint_fallback: bool = True
+    # Under torchrun: the longest any collective may wait for the other ranks. A hung or dead rank then
+    # stops the job after this long (naming the rank) and torchrun --max-restarts can restart it.
+    dist_timeout_s: float = 600.0
     peak_flops: float = 0.0  # FLOP/s for MFU; 0: measure with a matmul probe
     export_hf: bool = True  # write out_dir/hf at the end
     sample_prompt: str = "The "  # printed generation at the end; "" skips it

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import torch
 
-from seekforge.config import PRESETS, preset
+from seekforge.config import PRESETS, ModelConfig, preset
+from seekforge.errors import UserError
 from seekforge.model.hf import load_hf
 from seekforge.model.model import build_model
 from seekforge.model.tokenizer import load_tokenizer
@@ -23,4 +24,17 @@ def load_model(name_or_path: str, dtype=torch.float32, device="cpu"):
                          "nor a checkpoint directory")
     model = load_hf(path, device=device, dtype=dtype).eval()
     has_hf_tokenizer = (path / "tokenizer.json").exists()
-    return model, load_tokenizer(path if has_hf_tokenizer else "byte")
+    tokenizer = load_tokenizer(path if has_hf_tokenizer else "byte")
+    check_tokenizer_fits(tokenizer, model.cfg, path / "tokenizer.json" if has_hf_tokenizer else "byte",
+                         path / "config.json")
+    return model, tokenizer
+
+
+def check_tokenizer_fits(tokenizer, cfg: ModelConfig, tokenizer_source, config_source) -> None:
+    """A tokenizer with more ids than the model has embedding rows is the wrong tokenizer for it:
+    say so up front instead of failing with an index error inside the embedding."""
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise UserError(f"tokenizer {tokenizer_source} has {tokenizer.vocab_size} tokens but the model "
+                        f"({config_source}) has vocab_size={cfg.vocab_size}: ids >= {cfg.vocab_size} have no "
+                        "embedding. Use the tokenizer the model was trained with (the tokenizer.json saved next "
+                        "to its weights)")

@@ -14,6 +14,9 @@ dp_shard_mod_ep ranks holding the same experts (with dp_replicate: HSDP).
 
 from __future__ import annotations
 
+import datetime
+import os
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -60,12 +63,25 @@ def build_mesh(pc: ParallelConfig, model_cfg: ModelConfig, device_type: str | No
     return ParallelMesh(dense, experts, batch)
 
 
-def init_distributed(backend: str | None = None) -> None:
-    """Join the job started by torchrun (env:// rendezvous): nccl with one GPU per rank, else gloo."""
+def init_distributed(backend: str | None = None, timeout_s: float | None = None) -> None:
+    """Join the job started by torchrun (env:// rendezvous): nccl with one GPU per rank, else gloo.
+    timeout_s bounds every collective: a rank that hangs or dies makes the others fail after at most
+    that long instead of waiting forever (None: torch's default, 10 min for nccl, 30 min for gloo)."""
     if dist.is_initialized():
         return
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend)
+    timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+    if "TORCHELASTIC_RESTART_COUNT" in os.environ and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun keeps one key-value store for all restarts and torch prefixes no key by attempt, so a
+        # restarted rank can read the address a dead rank of the previous attempt published and fail to
+        # connect to it. One prefix per attempt keeps each attempt's rendezvous to itself.
+        client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                               timeout=timeout or datetime.timedelta(minutes=10))
+        store = dist.PrefixStore(f"seekforge/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", client)
+        dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+    else:
+        dist.init_process_group(backend, timeout=timeout)
     if backend == "nccl":
         torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())

@@ -53,6 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "via --set reward_weights=[...]; default: arithmetic)")
     p.add_argument("--no-resume", dest="resume", action="store_false", default=argparse.SUPPRESS,
                    help="start fresh even if OUT_DIR holds checkpoints")
+    p.add_argument("--no-checkpoint-fallback", dest="checkpoint_fallback", action="store_false",
+                   default=argparse.SUPPRESS, help="a damaged latest checkpoint is an error, not a fallback to "
+                                                   "the newest intact older one")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="any GRPOConfig field, e.g. --set mu=2 --set clip_high=0.28 (seekforge/rl/config.py)")
 
@@ -61,7 +64,8 @@ def config_from_args(args) -> GRPOConfig:
     from seekforge.train.config_file import parse_overrides
 
     given = vars(args)
-    updates = {f: given[f] for f in [f[1] for f in _FLAGS] + ["rewards", "resume"] if f in given}
+    updates = {f: given[f] for f in [f[1] for f in _FLAGS] + ["rewards", "resume", "checkpoint_fallback"]
+               if f in given}
     overrides = parse_overrides(given.get("overrides", []))
     if "rewards" in updates and "reward_weights" not in overrides:  # --reward a --reward b: weight 1 each
         updates["reward_weights"] = [1.0] * len(updates["rewards"])
@@ -118,7 +122,7 @@ def _grpo(cfg: GRPOConfig) -> None:
     policy, tokenizer = load_model(base, torch.float32, device)
     reference = copy.deepcopy(policy) if cfg.beta > 0 else None
     trainer = GRPOTrainer(cfg, policy, tokenizer, reference, out_dir)
-    latest = latest_checkpoint(out_dir / "checkpoints") if cfg.resume else None
+    latest = latest_checkpoint(out_dir / "checkpoints", cfg.checkpoint_fallback) if cfg.resume else None
     if latest is not None:
         trainer.resume(latest)
         say(f"resumed from {latest} at step {trainer.step_count}")

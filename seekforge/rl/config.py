@@ -64,6 +64,7 @@ class GRPOConfig:
     keep_checkpoints: int = 2
     probe: str = ""  # probe config YAML (monitor, dumps, metrics port; seekforge/probe/config.py); "": timing only
     resume: bool = True
+    checkpoint_fallback: bool = True  # a damaged latest checkpoint: resume from an older intact one (TrainConfig's)
     # preparing the built-in base (when `base` is empty)
     model: dict[str, Any] = field(default_factory=dict)  # ModelConfig overrides of DEFAULT_BASE_MODEL
     base_steps: int = 3000  # at most; it stops early once base_target_accuracy is reached

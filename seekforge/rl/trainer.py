@@ -145,7 +145,7 @@ class GRPOTrainer:
                                self.scheduler, self.prompt_stream, keep=self.cfg.keep_checkpoints)
 
     def resume(self, path: str | Path | None = None) -> bool:
-        path = path or latest_checkpoint(self.out_dir / "checkpoints")
+        path = path or latest_checkpoint(self.out_dir / "checkpoints", self.cfg.checkpoint_fallback)
         if path is None:
             return False
         self.step_count = load_checkpoint(path, self.policy, self.optimizer, self.scheduler, self.prompt_stream)

@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from seekforge.probe.trace import OnDemandTracer, StepTimer
+from seekforge.serve import limits
 from seekforge.serve.engine import AsyncEngine, RequestOutput, chat_prompt_ids
 from seekforge.serve.metrics import ServerMetrics
 from seekforge.serve.protocol import (
@@ -500,6 +501,7 @@ def add_arguments(p):
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--log-level", default="info")
     p.add_argument("--trace-dir", default="traces", help="where POST /debug/trace and SIGUSR2 write profiler traces")
+    limits.add_arguments(p)
 
 
 def engine_config_from_args(args):
@@ -526,7 +528,6 @@ def parse_lora_modules(specs: list[str]) -> list[tuple[str, str]]:
 
 def run(args):
     import torch
-    import uvicorn
 
     from seekforge.model.precision import resolve_dtype
     from seekforge.quant.load import load_model  # quantized checkpoints too
@@ -545,6 +546,6 @@ def run(args):
     app = build_app(engine, args.served_model_name or args.model, args.api_key, args.trace_dir)
     app.state.tracer.install_signal()
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        limits.serve(app, limits.limits_from_args(args), args.host, args.port, args.log_level)
     finally:
         engine.shutdown()

@@ -69,6 +69,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch.compile each block (default: off)")
     p.add_argument("--no-resume", dest="resume", action="store_false", default=argparse.SUPPRESS,
                    help="start fresh even if OUT_DIR holds checkpoints (they are overwritten)")
+    p.add_argument("--no-checkpoint-fallback", dest="checkpoint_fallback", action="store_false",
+                   default=argparse.SUPPRESS, help="a damaged latest checkpoint is an error, not a fallback to "
+                                                   "the newest intact older one")
     p.add_argument("--dry-run", action="store_true", default=False,
                    help="print the --parallel layout's parameter bytes per rank and build this model on the meta "
                         "device, parallelized under a fake process group of that many ranks; allocate nothing, "
@@ -80,8 +83,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args) -> TrainConfig:
     given = vars(args)
-    updates = {field: given[field] for field in [f[1] for f in _FLAGS] + ["compile", "resume", "preset"]
-               if field in given}
+    fields = [f[1] for f in _FLAGS] + ["compile", "resume", "checkpoint_fallback", "preset"]
+    updates = {field: given[field] for field in fields if field in given}
     if "name" in given:
         updates["out_dir"] = str(Path("runs") / given["name"])
     if "config" not in given and "preset" not in given:

@@ -27,9 +27,10 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from seekforge.config import ModelConfig, ParallelConfig, TrainConfig
 from seekforge.data.corpora import unigram_entropy
 from seekforge.data.dataset import BatchLoader, build_datasets
+from seekforge.errors import UserError
 from seekforge.model.generate import generate
 from seekforge.model.hf import save_hf
-from seekforge.model.load import load_model
+from seekforge.model.load import check_tokenizer_fits, load_model
 from seekforge.model.model import Transformer, build_model
 from seekforge.model.precision import resolve_dtype
 from seekforge.model.tokenizer import load_tokenizer
@@ -48,7 +49,36 @@ def resolve_model_config(cfg: TrainConfig, tokenizer) -> ModelConfig:
     special = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
     model_cfg = cfg.model_config() if "vocab_size" in cfg.model else cfg.model_config(
         vocab_size=64 * math.ceil(tokenizer.vocab_size / 64))
+    if tokenizer.vocab_size > model_cfg.vocab_size:  # only an explicit model.vocab_size can be too small
+        check_tokenizer_fits(tokenizer, model_cfg, cfg.tokenizer, "model.vocab_size")
     return model_cfg.replace(**{k: v for k, v in special.items() if k not in cfg.model})
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes free for this process's tensors: the GPU's free memory, or the host's MemAvailable
+    shared by the ranks on this host; None where it cannot be read."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        meminfo = Path("/proc/meminfo").read_text()
+    except OSError:
+        return None
+    kib = next((int(line.split()[1]) for line in meminfo.splitlines() if line.startswith("MemAvailable:")), None)
+    return None if kib is None else kib * 1024 // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def check_fits(model_cfg: ModelConfig, world_size: int, device: torch.device) -> None:
+    """Fail before allocating when the weights, gradients and AdamW state alone (16 bytes per fp32
+    parameter, spread over the ranks) exceed the memory free here: otherwise a model far too big
+    for the machine ends in the OOM killer, with no message at all. A lower bound: activations come on top."""
+    need = 16 * model_cfg.num_params()["total"] // world_size
+    free = available_memory(device)
+    if free is not None and need > free:
+        raise UserError(f"the model ({model_cfg.num_params()['total'] / 1e9:.2f}B parameters) needs at least "
+                        f"{need / 2**30:.1f} GiB per rank for fp32 weights, gradients and AdamW state, but "
+                        f"{device.type} has {free / 2**30:.1f} GiB free; pick a smaller preset or model overrides, "
+                        "or spread it over more ranks (torchrun + --parallel); `seekforge plan memory` estimates "
+                        "a layout")
 
 
 def build_data(cfg: TrainConfig, tokenizer, dp_rank: int = 0, dp_size: int = 1):
@@ -102,15 +132,18 @@ def pretrain(cfg: TrainConfig) -> list[dict]:
     torch.manual_seed(cfg.seed)
     tokenizer = load_tokenizer(cfg.tokenizer)
     model_cfg = resolve_model_config(cfg, tokenizer)
-    latest = latest_checkpoint(out_dir / "checkpoints") if cfg.resume else None
+    latest = latest_checkpoint(out_dir / "checkpoints", cfg.checkpoint_fallback) if cfg.resume else None
     if latest is not None and (latest / "config.json").exists():
         model_cfg = ModelConfig.from_hf(latest)
+        check_tokenizer_fits(tokenizer, model_cfg, cfg.tokenizer, latest / "config.json")
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     pc = parallel_layout(cfg, model_cfg, world_size)
+    check_fits(model_cfg, world_size, torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+               else torch.device("cpu"))
 
     owns_process_group = pc is not None and not dist.is_initialized()
     if owns_process_group:
-        init_distributed()
+        init_distributed(timeout_s=cfg.dist_timeout_s)
     try:
         return _train(cfg, pc, model_cfg, tokenizer, latest, out_dir)
     finally:

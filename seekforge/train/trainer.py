@@ -44,6 +44,7 @@ from seekforge.train.checkpoint import latest_checkpoint, load_checkpoint, save_
 from seekforge.train.flops import flops_per_token, measure_peak_flops, model_flops_utilization
 from seekforge.train.metrics import MetricsLogger, plot_loss_curve
 from seekforge.train.optim import build_optimizer, clip_grad_norm
+from seekforge.train.watchdog import collective_failure
 
 
 def prepare_model(model, cfg: TrainConfig):
@@ -113,7 +114,7 @@ class Trainer:
     # ------------------------------------------------------------------ state
     def resume(self, path: str | Path | None = None) -> bool:
         """Load `path` or the latest checkpoint under out_dir; False when there is none."""
-        path = path or latest_checkpoint(self.ckpt_root)
+        path = path or latest_checkpoint(self.ckpt_root, self.cfg.checkpoint_fallback)
         if path is None:
             return False
         self.step = load_checkpoint(path, self.modules, self.optimizers, self.schedulers[0], self.loader)
@@ -248,6 +249,16 @@ class Trainer:
         return self._mean_over_loss_ranks([torch.stack(losses).mean()])[0]
 
     # ------------------------------------------------------------------ the loop
+    def _guarded_step(self) -> dict:
+        """train_step; under torch.distributed a failed collective becomes an error naming the rank(s)
+        that hung or died (train/watchdog.py)."""
+        if not _distributed():
+            return self.train_step()
+        try:
+            return self.train_step()
+        except RuntimeError as e:  # DistBackendError (timeouts, lost peers) is a RuntimeError
+            raise collective_failure(e, self.step + 1, self.cfg.dist_timeout_s) from e
+
     def fit(self, stop_at: int | None = None) -> list[dict]:
         """Train until cfg.steps (or `stop_at`, to split a run in tests and time-boxed jobs).
         Returns the per-step metrics of this call."""
@@ -259,7 +270,7 @@ class Trainer:
                    dynamic_ncols=True, mininterval=1.0)
         window: list[dict] = []
         while self.step < end:
-            metrics = self.train_step()
+            metrics = self._guarded_step()
             if cfg.eval_interval and self.step % cfg.eval_interval == 0 and self.step < cfg.steps:
                 metrics["eval_loss"] = self.evaluate()
             if self.step == cfg.steps:
