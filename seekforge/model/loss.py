@@ -34,12 +34,11 @@ def objective(head, h, input_ids, labels, rope, mask=None, segment_ids=None, mtp
     """The objective on the main model's last hidden state h (B, T, H), before the final norm.
     head: anything holding `norm`, `lm_head`, `mtp` and `embed_tokens` (a Transformer, or the last
     pipeline stage); rope: (cos, sin) of the positions; mask: the attention mask the blocks used."""
-    normed = head.norm(h)
-    logits = head.lm_head(normed)
+    logits = head.lm_head(head.norm(h))
     lm = cross_entropy(logits.flatten(0, 1), labels.flatten())
     loss, metrics = lm, {"lm_loss": lm.detach()}
     if len(head.mtp) and mtp_loss_scale > 0:
-        mtp = torch.stack(mtp_losses(head, normed, input_ids, labels, rope, mask, segment_ids)).mean()
+        mtp = torch.stack(mtp_losses(head, h, input_ids, labels, rope, mask, segment_ids)).mean()
         loss = loss + mtp_loss_scale * mtp
         metrics["mtp_loss"] = mtp.detach()
     return loss, metrics
@@ -49,11 +48,12 @@ def mtp_losses(head, h, input_ids, labels, rope, mask=None, segment_ids=None) ->
     """Cross-entropy of each MTP depth k = 1, 2, ...: module k combines the previous depth's hidden
     state at position t with the embedding of token t+k and predicts token t+k+1 (model.MTPModule).
 
-    h (B, T, H) is the main model's hidden state AFTER its final norm: depth 1 takes what the output
-    head sees, as vLLM's and SGLang's DeepSeek MTP drafters do at serving time (they feed the target
-    model's normed output; DeepSeek's own inference code and transformers drop the MTP layer), so a
-    checkpoint's MTP module drafts the same way here and there. Depth k > 1 takes depth k-1's output
-    before that module's `norm`, as those drafters chain it."""
+    h (B, T, H) is the main model's hidden state BEFORE its final norm (the module's own `hnorm`
+    normalizes it); the serving engine's MTP drafts take the same (serve/spec_decode.py). vLLM's and
+    SGLang's DeepSeek drafters feed the target's post-norm output instead; training on that made the
+    pipeline + FSDP/EP and pipeline + TP runs drift from the single-device run (one MTP expert by
+    1.4e-3 after 3 steps, seed-dependent), so it stays pre-norm until that is understood. Depth k > 1
+    takes depth k-1's output before that module's `norm`."""
     cos, sin = rope
     losses = []
     for k, module in enumerate(head.mtp, start=1):

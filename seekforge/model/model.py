@@ -308,7 +308,7 @@ class MTPModule(nn.Module):
 
     def forward(self, h_prev, next_embeds, cos, sin, mask=None, kv_cache=None):
         """h_prev, next_embeds (B, T, H) → this depth's hidden (B, T, H), before `norm`. h_prev at
-        depth 1 is the main model's hidden after its final norm (see loss.mtp_losses)."""
+        depth 1 is the main model's hidden before its final norm (see loss.mtp_losses)."""
         x = self.eh_proj(torch.cat([self.enorm(next_embeds), self.hnorm(h_prev)], dim=-1))
         return self.block(x, cos, sin, mask, kv_cache)
 

@@ -9,9 +9,9 @@ Per engine step (`--speculative-tokens k`):
             computed (`num_computed_tokens`); the next pass overwrites them, and block hashes only
             ever cover accepted tokens (BlockManager.cache_full_blocks reads num_computed_tokens).
   propose — MTP module 1 runs over every position the main model verified this step, at position t
-            taking the main model's hidden h_t AFTER its final norm and the embedding of token t+1
-            (what vLLM's and SGLang's DeepSeek MTP drafters feed it, and what training does:
-            model/loss.py mtp_losses), which also fills its own latent cache; its output at the last
+            taking the main model's hidden h_t BEFORE its final norm and the embedding of token t+1
+            (what training does: model/loss.py mtp_losses says why, and where vLLM and SGLang
+            differ), which also fills its own latent cache; its output at the last
             position drafts d1. Draft s > 1 chains at position t+s-1 from draft s-1's output (before
             the module's norm) and d_{s-1}, with module min(s, D) of the D MTP modules — the last one
             repeated when k > D, as vLLM and SGLang do.
@@ -75,7 +75,7 @@ class SpecDecoder:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.num_verifies = 0  # (sequence, step) pairs that verified at least one draft
-        self._pending: list[tuple[Chunk, torch.Tensor]] = []  # verified chunks and their normed hidden
+        self._pending: list[tuple[Chunk, torch.Tensor]] = []  # verified chunks and their pre-norm hidden
 
     # ------------------------------------------------------------------ stats
     @property
@@ -104,7 +104,7 @@ class SpecDecoder:
             updates.append(SequenceUpdate(c.seq, num_real, prompt_logits=prompt.get(c.seq.seq_id)))
             if c.start + num_real == c.seq.num_tokens:  # reaches its last known token: samples
                 sampling.append((updates[-1], r + num_real - 1, num_drafts))
-            self._pending.append((c, normed[r:r + len(c.token_ids)]))
+            self._pending.append((c, hidden[r:r + len(c.token_ids)]))  # MTP takes the pre-norm hidden
         if sampling:
             self._accept(sampling, normed)
         return updates
@@ -158,7 +158,7 @@ class SpecDecoder:
         Call after the engine applied the updates (tokens appended, num_computed_tokens advanced)."""
         pending, self._pending = self._pending, []
         chunks, h_prev = [], []
-        for c, normed in pending:
+        for c, hidden_before_norm in pending:
             seq = c.seq
             # a constrained sequence gets no drafts: scoring them would need its grammar matcher advanced
             # over unverified tokens and rolled back on rejection; it verifies just its one real token
@@ -170,7 +170,7 @@ class SpecDecoder:
             # position t carries token t+1 (known for every verified position: the last one's is the new token)
             next_ids = seq.token_ids[c.start + 1:c.start + 1 + verified]
             chunks.append(Chunk(seq, c.start, next_ids, c.decode))
-            h_prev.append(normed[:verified])
+            h_prev.append(hidden_before_norm[:verified])
         if not chunks:
             return
         runner = self.runner

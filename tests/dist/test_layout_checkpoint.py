@@ -6,11 +6,10 @@ from dist_harness import assert_matches_reference, model_config, reference_run, 
 from dist_launcher import launch
 
 LAYERS, STEPS, SAVE_AT = 4, 4, 2
-# fp32. Losses agree to ~1e-6; weights differ (measured <= 1.2e-4, one kv_b_proj element since MTP
-# takes the post-norm hidden; <= 2.5e-5 elsewhere) where AdamW's m/(sqrt(v)+eps) amplifies
-# reduction-order noise in near-zero gradients. A real gradient error moves weights by about
-# lr = 1e-3 per step.
-LOSS_TOL, WEIGHT_TOL = 1e-5, 2e-4
+# fp32. Losses agree to ~1e-6; weights differ (measured <= 5.2e-5) where AdamW's m/(sqrt(v)+eps)
+# amplifies reduction-order noise in near-zero gradients. A real gradient error moves weights by
+# about lr = 1e-3 per step.
+LOSS_TOL, WEIGHT_TOL = 1e-5, 1e-4
 
 
 def test_save_fsdp_tp_ep_resume_pipeline(tmp_path):

@@ -4,11 +4,10 @@ import pytest
 from dist_harness import assert_matches_reference, model_config, reference_run, run_layout
 from dist_launcher import launch
 
-# fp32. Losses agree to ~1.5e-6 relative (1.2e-5 absolute at 8.16); weights differ where AdamW's
-# m/(sqrt(v)+eps) amplifies reduction-order noise in near-zero gradients: measured 2.3e-4 on one
-# kv_b_proj element since MTP takes the post-norm hidden, <= 5e-5 elsewhere. A real gradient error
-# moves every weight it touches by about lr = 1e-3 per step.
-LOSS_TOL, WEIGHT_TOL = 2e-5, 3e-4
+# fp32. Losses agree to ~1e-6; weights differ (measured <= 5.2e-5) where AdamW's m/(sqrt(v)+eps)
+# amplifies reduction-order noise in near-zero gradients. A real gradient error moves weights by
+# about lr = 1e-3 per step.
+LOSS_TOL, WEIGHT_TOL = 1e-5, 1e-4
 LAYERS = 4  # V and interleaved schedules need 2 stages per rank, each with a layer
 
 

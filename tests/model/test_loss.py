@@ -55,4 +55,4 @@ def depth_loss(model, doc, k):
 
     ids, labels = doc[None, :-1], doc[None, 1:]
     h, rope, mask = model.hidden(ids)
-    return mtp_losses(model, model.norm(h), ids, labels, rope, mask)[k - 1].detach()
+    return mtp_losses(model, h, ids, labels, rope, mask)[k - 1].detach()
