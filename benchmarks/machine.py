@@ -19,6 +19,15 @@ def dtype_arg(parser) -> None:
                              "natively (GPU, AVX512-BF16/AMX), else fp32")
 
 
+def parse_args(parser, threads: int | None = None):
+    """Add --threads (default: `threads`, else torch's) and --dtype, parse, and apply --threads."""
+    parser.add_argument("--threads", type=int, default=threads or torch.get_num_threads())
+    dtype_arg(parser)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    return args
+
+
 def machine_header(dtype_name: str = "auto", probe_peak: bool = True) -> tuple[torch.dtype, float]:
     """Print the machine lines; return (the resolved dtype, its measured matmul peak in FLOP/s)."""
     dtype, why = resolve_dtype(dtype_name)

@@ -16,7 +16,7 @@ import argparse
 import time
 
 import torch
-from machine import dtype_arg, machine_header  # benchmarks/machine.py
+from machine import machine_header, parse_args  # benchmarks/machine.py
 
 from seekforge.model.load import load_model
 from seekforge.serve.engine import LLM
@@ -31,10 +31,7 @@ def main():
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--steps", default="1,8", help="num_scheduler_steps values; the first is the peer")
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--threads", type=int, default=1)
-    dtype_arg(p)
-    args = p.parse_args()
-    torch.set_num_threads(args.threads)
+    args = parse_args(p, threads=1)
     dtype, _ = machine_header(args.dtype)
     model, tokenizer = load_model(args.model, dtype)
     g = torch.Generator().manual_seed(0)

@@ -17,8 +17,7 @@ import argparse
 import random
 import time
 
-import torch
-from machine import dtype_arg, machine_header  # benchmarks/machine.py
+from machine import machine_header, parse_args  # benchmarks/machine.py
 
 from seekforge.data.corpora import story
 from seekforge.model.load import load_model
@@ -47,10 +46,7 @@ def main():
     p.add_argument("--prompt-chars", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--threads", type=int, default=1)
-    dtype_arg(p)
-    args = p.parse_args()
-    torch.set_num_threads(args.threads)
+    args = parse_args(p, threads=1)
     dtype, _ = machine_header(args.dtype)
     model, tokenizer = load_model(args.model, dtype)
     rng = random.Random(1234)  # not the training seed's stories

@@ -29,7 +29,7 @@ import subprocess
 import sys
 
 import torch
-from machine import dtype_arg, machine_header  # benchmarks/machine.py
+from machine import machine_header, parse_args  # benchmarks/machine.py
 from train_step import RepeatLoader, fixed_batch, hf_step_fn
 
 from seekforge.config import TrainConfig
@@ -92,12 +92,9 @@ def predicted(mtp: bool, dtype_name: str):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--variants", default=",".join(HF_VARIANTS), help="transformers experts implementations")
     p.add_argument("--child", help=argparse.SUPPRESS)
-    dtype_arg(p)
-    args = p.parse_args()
-    torch.set_num_threads(args.threads)
+    args = parse_args(p)
     if args.child:
         child(args.child, args.dtype)
         return

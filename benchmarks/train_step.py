@@ -25,7 +25,7 @@ import sys
 import time
 
 import torch
-from machine import dtype_arg, machine_header  # benchmarks/machine.py
+from machine import machine_header, parse_args  # benchmarks/machine.py
 
 from seekforge.config import TrainConfig, preset
 from seekforge.model.precision import resolve_dtype
@@ -130,12 +130,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=5, help="timed steps per contender (median reported)")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--variants", default=",".join(HF_VARIANTS), help="transformers experts implementations")
     p.add_argument("--child", help=argparse.SUPPRESS)
-    dtype_arg(p)
-    args = p.parse_args()
-    torch.set_num_threads(args.threads)
+    args = parse_args(p)
     if args.child:
         child(args.child, args.steps, args.warmup, args.dtype)
         return
