@@ -115,10 +115,11 @@ class GRPOTrainer:
             self.compute_dtype = torch.float32
             self.dtype_reason = (f"fp32 (auto: hidden_size {policy.cfg.hidden_size} < {_MIN_BF16_HIDDEN}, where "
                                  f"autocast's casts cost more than bf16 matmuls save; --dtype bf16 to force)")
+        self.sharded = _distributed() and cfg.fsdp
         self.engine_model = policy
-        if (_distributed() and cfg.fsdp) or self.compute_dtype != policy.embed_tokens.weight.dtype:
+        if self.sharded or self.compute_dtype != policy.embed_tokens.weight.dtype:
             self.engine_model = copy.deepcopy(policy).requires_grad_(False).to(self.compute_dtype)
-        if _distributed() and cfg.fsdp:
+        if self.sharded:
             shard_policy(policy)
         schedule = TrainConfig(preset="tiny", lr=cfg.lr, min_lr=cfg.lr, warmup=cfg.warmup, steps=cfg.steps * cfg.mu,
                                weight_decay=cfg.weight_decay, betas=(0.9, 0.99))  # constant after warmup
@@ -215,7 +216,7 @@ class GRPOTrainer:
         seqs = [g * G + j for g in self._my_groups(group_tokens) for j in range(G)]  # this rank trains these
         rows = pack_sequences([prompt_ids[i // G] for i in seqs], [completions[i] for i in seqs],
                               cfg.max_pack_tokens, cfg.max_pack_count)
-        if self.engine_model is not self.policy:  # FSDP: every rank runs as many forwards (collectives)
+        if self.sharded:  # FSDP: every rank runs as many forwards (its collectives)
             rows += [empty_row()] * (_max_over_ranks(len(rows)) - len(rows))
         lengths = [len(c) for c in completions]
         with self._autocast():
@@ -234,7 +235,7 @@ class GRPOTrainer:
         for update in range(cfg.mu):
             with self._autocast():
                 sums = accumulate_gradients(self.policy, rows, batch, totals, self.loss_settings)
-            if self.engine_model is self.policy:  # FSDP's reduce-scatter already summed them
+            if not self.sharded:  # under FSDP the reduce-scatter already summed them
                 _sum_gradients_over_ranks(self.policy)
             grad_norm = clip_grad_norm(list(self.policy.parameters()), cfg.clip_grad or math.inf)
             self.probe.mark("backward")
