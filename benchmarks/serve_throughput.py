@@ -7,7 +7,9 @@
    cache, absorbed-MLA decode). transformers: DeepseekV3ForCausalLM.generate on the whole batch
    (equal lengths, no padding), weights copied from the seekforge model (logits checked equal first).
 2. Single-request decode latency (ms/token after the first token), both, plus seekforge's reference
-   single-sequence `generate` for scale.
+   single-sequence `generate` for scale, and the weight-streaming bound: the bytes of weights one
+   token reads (active parameters: K of the E routed experts, one embedding row) ÷ the bandwidth a
+   one-row linear layer streams from a weight as large as the model's weights (machine.py).
 3. Shared-prefix workload: N requests = one long common prefix + a short unique suffix, after one
    warm-up request; seekforge with prefix caching on vs off.
 
@@ -20,7 +22,7 @@ import argparse
 import time
 
 import torch
-from machine import dtype_arg, machine_header  # benchmarks/machine.py
+from machine import dtype_arg, machine_header, measure_stream_bandwidth, weight_bytes_per_token  # benchmarks/machine.py
 
 from seekforge.config import preset
 from seekforge.model.generate import generate
@@ -124,6 +126,13 @@ def main():
         hf_ms = per_token_ms(lambda: hf_generate(hf, one, 1), lambda: hf_generate(hf, one, new))
         print(f"[latency] transformers          : {hf_ms:6.2f} ms/token")
         print(f"[latency] ratio seekforge / transformers = {sf_ms / hf_ms:.2f} (lower is better)")
+    active = weight_bytes_per_token(model.cfg, dtype)
+    total = sum(p.nbytes for p in model.parameters())
+    bandwidth = measure_stream_bandwidth(total, dtype)
+    bound_ms = 1000 * active / bandwidth
+    print(f"[latency] weight-streaming bound: {active / 1e6:.1f} MB of weights per token / {bandwidth / 1e9:.1f} GB/s "
+          f"(one-row linear over {total / 1e6:.0f} MB, {str(dtype).removeprefix('torch.')}) = {bound_ms:.2f} ms/token")
+    print(f"[latency] seekforge engine / bound = {sf_ms / bound_ms:.2f}x (target <= 1.5)")
 
     # -- 3. shared-prefix workload --------------------------------------------------------------
     prefix = torch.randint(0, vocab, (args.prefix_len,), generator=g).tolist()

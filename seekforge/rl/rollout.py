@@ -63,6 +63,7 @@ class Rollout:
         for cache in self.engine.runner.caches:
             cache.c_kv = cache.c_kv.new_empty(0)
             cache.k_pe = cache.k_pe.new_empty(0)
+        self.engine.runner.scratch.clear()
         self.asleep = True
 
     def wake_up(self) -> None:

@@ -17,7 +17,7 @@ import torch
 
 from seekforge.config import EngineConfig
 from seekforge.model.model import Transformer
-from seekforge.serve.kv_cache import AttentionMetadata, PagedLatentCache, bytes_per_block
+from seekforge.serve.kv_cache import AttentionMetadata, GatherScratch, PagedLatentCache, bytes_per_block
 from seekforge.serve.lora import LoRAManager
 from seekforge.serve.scheduler import ScheduledBatch
 from seekforge.serve.sequence import Sequence
@@ -85,10 +85,11 @@ class Runner:
         self.block_size = config.block_size
         weight = model.embed_tokens.weight
         self.device = weight.device
+        self.scratch = GatherScratch()  # one set of gather outputs for all layers
 
         def pool(kv_b_name=None):
             return PagedLatentCache(model.cfg, num_blocks, config.block_size, weight.dtype, weight.device, kv_b_name,
-                                    int8=config.kv_cache_dtype == "int8")
+                                    int8=config.kv_cache_dtype == "int8", scratch=self.scratch)
 
         self.caches = [pool(f"layers.{i}.self_attn.kv_b_proj") for i in range(len(model.layers))]
         self.mtp_caches = [pool() for _ in model.mtp] if config.speculative_tokens else []

@@ -1,0 +1,27 @@
+import torch
+
+from seekforge.config import preset
+from seekforge.serve.kv_cache import GatherScratch, PagedLatentCache
+
+
+def test_gather_into_shared_scratch_equals_indexing():
+    """Reads through the reused scratch (the fast path) equal plain indexing of the pool (the reference),
+    for a larger read after a smaller one and back, with both pools of two layers sharing one scratch."""
+    cfg = preset("tiny")
+    scratch = GatherScratch()
+    caches = [PagedLatentCache(cfg, 12, 4, torch.float32, "cpu", scratch=scratch) for _ in range(2)]
+    gen = torch.Generator().manual_seed(0)
+    for cache in caches:
+        cache.c_kv.copy_(torch.randn(cache.c_kv.shape, generator=gen))
+        cache.k_pe.copy_(torch.randn(cache.k_pe.shape, generator=gen))
+    for blocks in ([3, 1], [0, 7, 7, 2, 11], [5]):
+        blocks = torch.tensor(blocks)
+        for cache in caches:
+            c_kv, k_pe = cache._read("c_kv", blocks), cache._read("k_pe", blocks)
+            torch.testing.assert_close(c_kv, cache.c_kv[blocks].flatten(1), rtol=0, atol=0)
+            torch.testing.assert_close(k_pe, cache.k_pe[blocks].flatten(1), rtol=0, atol=0)
+    big = scratch.buffers["c_kv"]
+    assert big.numel() == 5 * 4 * cfg.kv_lora_rank  # grown to the largest read, then reused
+    assert caches[0]._read("c_kv", torch.tensor([1])).data_ptr() == big.data_ptr()
+    scratch.clear()
+    assert not scratch.buffers
