@@ -161,7 +161,9 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> t
             x, weight = x.to(dtype), weight.to(dtype)
         elif x.dtype != weight.dtype:
             return grouped_mm_reference(x, weight, counts)
-        return _ExpertLoopMM.apply(x, weight, counts.tolist())
+        if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+            return _ExpertLoopMM.apply(x, weight, counts.tolist())
+        return expert_loop_mm(x, weight, counts.tolist())  # serving: no autograd.Function to enter
     if _grouped_mm_ok(x, weight):
         offsets = counts.cumsum(0).to(torch.int32)
         return torch._grouped_mm(x.contiguous(), weight.transpose(-2, -1), offs=offsets)
@@ -187,11 +189,7 @@ class _ExpertLoopMM(torch.autograd.Function):
         x = x.contiguous()
         ctx.save_for_backward(x, weight)
         ctx.counts = counts
-        out = x.new_empty(x.shape[0], weight.shape[1])
-        with torch.autocast("cpu", enabled=False):  # out= is refused under autocast
-            for rows, w in _expert_rows(counts, weight):
-                torch.mm(x[rows], w.t(), out=out[rows])
-        return out
+        return expert_loop_mm(x, weight, counts)
 
     @staticmethod
     def backward(ctx, grad):
@@ -207,6 +205,17 @@ class _ExpertLoopMM(torch.autograd.Function):
             for e, (rows, _) in enumerate(_expert_rows(ctx.counts, weight, skip_empty=False)):
                 torch.mm(grad[rows].t(), x[rows], out=grad_w[e])  # (O, n) @ (n, I); zeros when n = 0
         return grad_x, grad_w, None
+
+
+def expert_loop_mm(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """_ExpertLoopMM's forward: x (S, I) sorted by expert, weight (E, O, I) → (S, O), one mm per expert
+    that received tokens, each written straight into its rows."""
+    x = x.contiguous()
+    out = x.new_empty(x.shape[0], weight.shape[1])
+    with torch.autocast("cpu", enabled=False):  # out= is refused under autocast
+        for rows, w in _expert_rows(counts, weight):
+            torch.mm(x[rows], w.t(), out=out[rows])
+    return out
 
 
 def _expert_rows(counts, weight, skip_empty=True):

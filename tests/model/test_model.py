@@ -84,7 +84,9 @@ def test_grouped_mm_equals_loop(dtype, counts):
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     ref = grouped_mm_reference(x, w, counts)
     assert ref.shape == (x.shape[0], 48)
-    torch.testing.assert_close(grouped_mm(x, w, counts), ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(grouped_mm(x, w, counts), ref, atol=tol, rtol=tol)  # no grad: the plain loop
+    # with grad: the same loop inside _ExpertLoopMM
+    torch.testing.assert_close(grouped_mm(x.clone().requires_grad_(), w, counts).detach(), ref, atol=tol, rtol=tol)
     if not HAS_GROUPED_MM:
         return
     # The grouped-GEMM kernel itself (the dispatcher uses it wherever it is faster, e.g. on GPU).
