@@ -31,7 +31,8 @@ rank 0 still runs): bubble = (n - 1)(F&B + F - 2W) for W <= B - W <= F and max(F
 
 This is the README's (n - 1)(F&B + B - 3W) exactly when B - W = F: the README counts the warm-up as
 (n - 1)(B - W), which its picture (I and F one cell each) cannot tell apart from (n - 1) F. For
-B - W != F no reading of the README's formula holds: e.g. F = 1, I = W = 0.5, F&B = B = 1 gives
+B - W != F the formula does not hold under this reading (nor under "idle inside one step's span",
+which already misses it at B - W = F once F&B < F + B): e.g. F = 1, I = W = 0.5, F&B = B = 1 gives
 (n - 1)/2, less than the last rank's warm-up wait of n - 1 alone.
 """
 
