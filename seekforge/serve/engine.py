@@ -83,7 +83,8 @@ class Request:
 
 
 class LLMEngine:
-    def __init__(self, model: Transformer, tokenizer, config: EngineConfig | None = None):
+    def __init__(self, model: Transformer, tokenizer, config: EngineConfig | None = None, make_runner=Runner):
+        """make_runner(model, config, num_blocks): the Runner (serve/distributed.py passes a sharded one)."""
         self.config = config = config or EngineConfig()
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -95,7 +96,7 @@ class LLMEngine:
         num_blocks = num_kv_blocks(model, config)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
-        self.runner = Runner(model, config, num_blocks)
+        self.runner = make_runner(model, config, num_blocks)
         self.spec = SpecDecoder(self.runner, self.block_manager, config.speculative_tokens, self.max_model_len) \
             if config.speculative_tokens else None
         self.capacity = num_blocks * config.block_size
