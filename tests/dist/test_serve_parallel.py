@@ -76,7 +76,7 @@ def _serve_layouts(checkpoint: str) -> dict:
 def test_distributed_engine_greedy_equals_single_device(checkpoint, reference):
     rank0 = launch(_serve_layouts, 2, checkpoint)[0]
     full = sum(t.numel() for t in build_model(model_config(), device="meta").state_dict().values())
-    for name, (tp, dp_attention, ep) in LAYOUTS.items():
+    for name, (_, dp_attention, _) in LAYOUTS.items():
         result = rank0[name]
         assert result["tokens"] == reference, name
         assert result["held"] < full, name  # rank 0 holds its shards, not the model

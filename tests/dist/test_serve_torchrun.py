@@ -32,9 +32,9 @@ def _env() -> dict:
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    from seekforge.model.hf import save_hf
-
     from dist_harness import model_config
+
+    from seekforge.model.hf import save_hf
 
     path = tmp_path_factory.mktemp("serve_torchrun") / "tiny"
     save_hf(build_model(model_config(), seed=0), path)
