@@ -110,8 +110,8 @@ class ShardedRunner(Runner):
 class RankEngine:
     """This rank's part of the distributed engine: a replica leader's LLMEngine, or a follower's runner."""
 
-    def __init__(self, model, tokenizer, config: EngineConfig, groups, control_group):
-        self.groups, self.control = groups, control_group
+    def __init__(self, model, tokenizer, config: EngineConfig, groups, control_group, layout):
+        self.groups, self.control, self.model, self.layout = groups, control_group, model, layout
         if groups.is_leader:
             self.engine = LLMEngine(model, tokenizer, config, make_runner=partial(ShardedRunner, groups=groups))
             self.runner = self.engine.runner
@@ -153,9 +153,24 @@ class RankEngine:
         return outputs, failed, engine.stats()
 
     def follow_forever(self) -> None:
-        """A worker rank: step until rank 0 stops the engine."""
+        """A worker rank: step until rank 0 stops the engine (DistributedEngine.shutdown)."""
         while self.step() is not None:
             pass
+
+    def sync_weights(self, modules):
+        """New weights from a model in any layout over the same ranks (the GRPO trainer's FSDP policy, a
+        TP model ...), moved in memory by parallel/transfer.py: every rank calls it, outside the serving
+        loop (rank 0 between steps, the others after follow_forever returned). No file is written; the
+        latents cached under the old weights are dropped. → this rank's SyncStats."""
+        from seekforge.parallel.layout import layout_of_model
+        from seekforge.parallel.serving import engine_shards
+        from seekforge.parallel.transfer import shards_of, sync_shards
+
+        stats = sync_shards(layout_of_model(modules), self.layout, shards_of(modules),
+                            engine_shards(self.model, self.layout, self.groups.rank))
+        if self.engine is not None:
+            self.engine.reset_prefix_cache()
+        return stats
 
 
 class DistributedEngine:
@@ -233,6 +248,19 @@ class DistributedEngine:
         self.num_steps += 1
         return outputs
 
+    def generate(self, prompts: list, params: list[SamplingParams]) -> list[RequestOutput]:
+        """Offline: every prompt (text or token ids) to completion, outputs in prompt order."""
+        return self.drain([self.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)])
+
+    def drain(self, ids: list[str]) -> list[RequestOutput]:
+        """Step until the requests `ids` finish → their final outputs, in that order."""
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(ids):
+            for out in self.step():
+                if out.finished:
+                    done[out.request_id] = out
+        return [done[i] for i in ids]
+
     def stats(self) -> dict:
         total = {}
         for stats in self.replica_stats:
@@ -244,7 +272,8 @@ class DistributedEngine:
         return total
 
     def shutdown(self) -> None:
-        """Stop every worker rank (they return from follow_forever)."""
+        """End the workers' serving loop: follow_forever returns on every other rank (to exit, or to
+        run something collective such as RankEngine.sync_weights and then follow again)."""
         self.rank_engine.step(Commands(stop=True))
 
 
@@ -270,11 +299,11 @@ def check_engine_config(config: EngineConfig) -> None:
                              f"forward passes per step); drop {flag}, or serve on one process")
 
 
-def start(name_or_path: str, tp: int, dp_attention: int, ep: int, dtype: torch.dtype,
-          config: EngineConfig) -> DistributedEngine | None:
-    """Join the torchrun job, build this rank's shards and its part of the engine. Rank 0 gets the
-    DistributedEngine to serve from; every other rank serves here until rank 0 calls shutdown, then
-    gets None. Bad layouts fail before any weight is read."""
+def build(name_or_path: str, tp: int, dp_attention: int, ep: int, dtype: torch.dtype,
+          config: EngineConfig) -> RankEngine:
+    """Join the torchrun job (or the process group already up) and build this rank's part of the
+    engine: its shards of the weights (read from the checkpoint's slices, or a preset's random weights)
+    and its scheduler or runner. Bad layouts fail before anything is built."""
     from seekforge.model.load import check_tokenizer_fits
     from seekforge.model.tokenizer import load_tokenizer
     from seekforge.parallel.mesh import init_distributed
@@ -315,8 +344,15 @@ def start(name_or_path: str, tp: int, dp_attention: int, ep: int, dtype: torch.d
         tokenizer = load_tokenizer(path if has_hf_tokenizer else "byte")
         check_tokenizer_fits(tokenizer, cfg, path / "tokenizer.json" if has_hf_tokenizer else "byte",
                              path / "config.json")
-    rank_engine = RankEngine(model, tokenizer, config, groups, control)
-    if groups.rank == 0:
+    return RankEngine(model, tokenizer, config, groups, control, layout)
+
+
+def start(name_or_path: str, tp: int, dp_attention: int, ep: int, dtype: torch.dtype,
+          config: EngineConfig) -> DistributedEngine | None:
+    """`build`, then rank 0 gets the DistributedEngine to serve from; every other rank serves here
+    until rank 0 calls shutdown, then gets None."""
+    rank_engine = build(name_or_path, tp, dp_attention, ep, dtype, config)
+    if rank_engine.groups.rank == 0:
         return DistributedEngine(rank_engine)
     rank_engine.follow_forever()
     return None

@@ -54,18 +54,13 @@ def _serve(checkpoint: str, tp: int, dp_attention: int, ep: int):
     engine = start(checkpoint, tp, dp_attention, ep, torch.float32, EngineConfig(**ENGINE))
     if engine is None:  # a worker rank: served until rank 0 stopped it
         return None
-    model = engine.model
-    held = sum(t.numel() for t in model.state_dict().values())
-    ids = [engine.add_request(p, params(m)) for p, m in zip(prompts(model.cfg), MAX_TOKENS, strict=True)]
-    replicas = [engine.owner[i] for i in ids]
-    done = {}
-    while len(done) < len(ids):
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
+    held = sum(t.numel() for t in engine.model.state_dict().values())
+    ids = [engine.add_request(p, params(m)) for p, m in zip(prompts(engine.model.cfg), MAX_TOKENS, strict=True)]
+    replicas = [engine.owner[i] for i in ids]  # all in flight at once
+    outs = engine.drain(ids)
     stats = engine.stats()
     engine.shutdown()
-    return {"tokens": [done[i] for i in ids], "replicas": replicas, "held": held, "stats": stats}
+    return {"tokens": [o.outputs[0].token_ids for o in outs], "replicas": replicas, "held": held, "stats": stats}
 
 
 def _serve_layouts(checkpoint: str) -> dict:
@@ -83,3 +78,54 @@ def test_distributed_engine_greedy_equals_single_device(checkpoint, reference):
         if dp_attention > 1:  # every replica served requests
             assert sorted(set(result["replicas"])) == list(range(dp_attention)), name
         assert result["stats"]["num_running"] == 0 and result["stats"]["num_replicas"] == dp_attention
+
+
+def _train_then_sync(checkpoint: str, tp: int, dp_attention: int, ep: int):
+    """The GRPO trainer's policy layout under torchrun (FSDP2 over both ranks, rl/trainer.shard_policy)
+    takes one optimizer step; its weights then reach an engine in another layout in memory."""
+    from dist_harness import batches
+
+    from seekforge.model.dtensor import plain_tensor
+    from seekforge.model.loss import lm_loss
+    from seekforge.rl.trainer import shard_policy
+    from seekforge.serve.distributed import DistributedEngine, build
+
+    cfg, rank = model_config(), dist.get_rank()
+    policy = build_model(cfg, seed=0)
+    shard_policy(policy)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=3e-2)
+    inputs, labels = batches(cfg, steps=1)
+    lm_loss(policy, inputs[0], labels[0])[0].backward()
+    optimizer.step()
+    trained = {k: plain_tensor(v).detach().clone() for k, v in policy.state_dict().items()}
+    rank_engine = build(checkpoint, tp, dp_attention, ep, torch.float32, EngineConfig(**ENGINE))  # seed 0, from disk
+    engine = DistributedEngine(rank_engine) if rank == 0 else None
+
+    def generate():
+        if engine is None:
+            rank_engine.follow_forever()
+            return None
+        outs = engine.generate(prompts(cfg), [params(m) for m in MAX_TOKENS])
+        engine.shutdown()  # the workers leave follow_forever: every rank is free for the sync
+        return [o.outputs[0].token_ids for o in outs]
+
+    before = generate()
+    stats = rank_engine.sync_weights(policy)
+    after = generate()
+    return {"before": before, "after": after, "trained": trained if rank == 0 else None, "stats": stats}
+
+
+def test_trainer_weights_sync_into_engine_in_memory(checkpoint, reference):
+    from seekforge.serve.engine import LLM
+
+    results = launch(_train_then_sync, 2, checkpoint, 1, 2, 2)
+    rank0 = results[0]
+    assert rank0["before"] == reference  # the engine started from the checkpoint
+    model = build_model(model_config(), seed=1)
+    model.load_state_dict(rank0["trained"])
+    fresh = LLM(model.eval(), **ENGINE).generate(prompts(model.cfg), [params(m) for m in MAX_TOKENS])
+    assert rank0["after"] == [o.outputs[0].token_ids for o in fresh]
+    assert rank0["after"] != rank0["before"]  # the sync changed what the engine serves
+    moved = sum(r["stats"].bytes_sent for r in results)
+    assert moved == sum(r["stats"].bytes_received for r in results) == rank0["stats"].bytes_moved > 0
+    print(f"FSDP2 -> dp-attention2+ep2 engine: {moved} B in {max(r['stats'].seconds for r in results):.3f} s")
