@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from seekforge.config import PRESETS, EngineConfig, ModelConfig, preset
-from seekforge.serve.engine import CompletionOutput, LLMEngine, Request, RequestOutput
+from seekforge.serve.engine import CompletionOutput, LLMEngine, Request, RequestOutput, drain
 from seekforge.serve.runner import Chunk, Runner, num_kv_blocks
 from seekforge.serve.sequence import SamplingParams
 
@@ -254,12 +254,7 @@ class DistributedEngine:
 
     def drain(self, ids: list[str]) -> list[RequestOutput]:
         """Step until the requests `ids` finish → their final outputs, in that order."""
-        done: dict[str, RequestOutput] = {}
-        while len(done) < len(ids):
-            for out in self.step():
-                if out.finished:
-                    done[out.request_id] = out
-        return [done[i] for i in ids]
+        return drain(self, ids)
 
     def stats(self) -> dict:
         total = {}
