@@ -63,9 +63,27 @@ def _serve(checkpoint: str, tp: int, dp_attention: int, ep: int):
     return {"tokens": [o.outputs[0].token_ids for o in outs], "replicas": replicas, "held": held, "stats": stats}
 
 
+def _uneven_vocab_logits_error() -> float:
+    """TP=2 with a vocab that does not split evenly (509 rows: 255 + 254): the masked embedding lookup
+    and the padded logits all-gather against the unsharded model, whole sequences without a cache."""
+    import copy
+
+    from seekforge.parallel.layout import describe_engine_layout
+    from seekforge.parallel.serving import engine_groups, shard_for_serving
+
+    cfg = model_config(vocab_size=509)
+    full = build_model(cfg, seed=0).eval()
+    sharded = shard_for_serving(copy.deepcopy(full), describe_engine_layout(cfg, tp=2), engine_groups(2, 1, 1))
+    ids = torch.arange(0, cfg.vocab_size, 23)[None]  # ids on both ranks' halves
+    with torch.inference_mode():
+        return (sharded(ids) - full(ids)).abs().max().item()
+
+
 def _serve_layouts(checkpoint: str) -> dict:
-    """Each layout in turn on the same two ranks (one spawn for all three: the CPU is shared)."""
-    return {name: _serve(checkpoint, *layout) for name, layout in LAYOUTS.items()}
+    """Each layout in turn on the same two ranks (one spawn for all of it: the CPU is shared)."""
+    out = {name: _serve(checkpoint, *layout) for name, layout in LAYOUTS.items()}
+    out["uneven_vocab_error"] = _uneven_vocab_logits_error()
+    return out
 
 
 def test_distributed_engine_greedy_equals_single_device(checkpoint, reference):
@@ -78,6 +96,7 @@ def test_distributed_engine_greedy_equals_single_device(checkpoint, reference):
         if dp_attention > 1:  # every replica served requests
             assert sorted(set(result["replicas"])) == list(range(dp_attention)), name
         assert result["stats"]["num_running"] == 0 and result["stats"]["num_replicas"] == dp_attention
+    assert rank0["uneven_vocab_error"] < 1e-5
 
 
 def _train_then_sync(checkpoint: str, tp: int, dp_attention: int, ep: int):
