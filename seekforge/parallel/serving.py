@@ -15,8 +15,10 @@ world = dp_attention · tp ranks, row-major: rank = dp_rank · tp + tp_rank.
                  latent cache (serve/distributed.py); its weights are those of a tp-rank engine.
   MoE EP         routed experts split over consecutive groups of `ep` ranks (replicated over the
                  world/ep groups); token copies reach them through parallel/ep.py's all-to-all
-                 dispatcher. Every rank of an EP group must run each MoE layer the same number of times
-                 per step: a replica with no work runs a dummy one-token forward (SGLang's idle batch).
+                 dispatcher. Under TP the replica's TP ranks hold the same tokens, so each routes
+                 only its chunk of them and the results are all-gathered (TokenSplitDispatcher).
+                 Every rank of an EP group must run each MoE layer the same number of times per
+                 step: a replica with no work runs a dummy one-token forward (SGLang's idle batch).
 
 Weights are plain local tensors (no DTensor in the serving hot loop); `engine_shards` names each
 with its global box, so the disk executor (parallel/disk.py) reads exactly this rank's slices of an
@@ -37,7 +39,7 @@ from seekforge.config import ModelConfig
 from seekforge.model.model import MLA, Transformer, block_slots, build_model
 from seekforge.model.moe import MLP, MoE
 from seekforge.parallel.ep import AllToAllDispatcher
-from seekforge.parallel.layout import Box, Layout, describe_engine_layout, named_tensors
+from seekforge.parallel.layout import Box, Layout, chunk, describe_engine_layout, named_tensors
 from seekforge.parallel.transfer import Shards
 
 
@@ -188,7 +190,41 @@ def shard_for_serving(model: Transformer, layout: Layout, groups: EngineGroups) 
     if groups.ep > 1:
         for moe in model.moe_layers():
             moe.dispatcher = AllToAllDispatcher(groups.ep_group, cfg.n_routed_experts)
+            if groups.tp > 1:
+                moe.dispatcher = TokenSplitDispatcher(moe.dispatcher, groups)
     return model
+
+
+class TokenSplitDispatcher:
+    """TP + EP: the TP ranks of a replica hold the same tokens. Each routes only its chunk of them
+    (DTensor's chunk rule over tp) through the EP all-to-all, so no expert computes a token twice and
+    the exchange carries each copy once; the combined rows are then all-gathered over the TP group
+    (padded to the largest chunk). The shared experts are not affected: MoE.forward runs them, TP-split,
+    on all the tokens."""
+
+    def __init__(self, inner: AllToAllDispatcher, groups: EngineGroups):
+        self.inner, self.tp, self.tp_rank, self.tp_group = inner, groups.tp, groups.tp_rank, groups.tp_group
+
+    def dispatch(self, x: torch.Tensor, indices: torch.Tensor, num_experts: int):
+        """x (N, H), indices (N, K) → this rank's chunk dispatched (possibly empty)."""
+        lo, hi = chunk(0, x.shape[0], self.tp, self.tp_rank)
+        routed, counts, state = self.inner.dispatch(x[lo:hi], indices[lo:hi], num_experts)
+        return routed, counts, (state, x.shape[0])
+
+    def wait(self, routed: torch.Tensor, state) -> torch.Tensor:
+        return self.inner.wait(routed, state[0])
+
+    def combine(self, y: torch.Tensor, state, weights: torch.Tensor) -> torch.Tensor:
+        """→ (N, H): every TP rank's chunk of the combined output, in token order."""
+        inner_state, n = state
+        bounds = [chunk(0, n, self.tp, r) for r in range(self.tp)]
+        lo, hi = bounds[self.tp_rank]
+        mine = self.inner.combine(y, inner_state, weights[lo:hi])  # (hi - lo, H)
+        size = max(b - a for a, b in bounds)
+        padded = F.pad(mine, (0, 0, 0, size - (hi - lo))).contiguous()  # (⌈N/tp⌉, H)
+        parts = [torch.empty_like(padded) for _ in range(self.tp)]
+        dist.all_gather(parts, padded, group=self.tp_group)
+        return torch.cat([part[:b - a] for part, (a, b) in zip(parts, bounds, strict=True)])
 
 
 def _apply_tensor_parallel(model: Transformer, layout: Layout, groups: EngineGroups) -> None:
