@@ -57,10 +57,14 @@ def _serve(checkpoint: str, tp: int, dp_attention: int, ep: int):
     held = sum(t.numel() for t in engine.model.state_dict().values())
     ids = [engine.add_request(p, params(m)) for p, m in zip(prompts(engine.model.cfg), MAX_TOKENS, strict=True)]
     replicas = [engine.owner[i] for i in ids]  # all in flight at once
+    aborted = engine.add_request(prompts(engine.model.cfg)[3], params(30))
+    engine.step()
+    engine.abort(aborted)  # reaches its replica before the next step, which frees its blocks
     outs = engine.drain(ids)
     stats = engine.stats()
     engine.shutdown()
-    return {"tokens": [o.outputs[0].token_ids for o in outs], "replicas": replicas, "held": held, "stats": stats}
+    return {"tokens": [o.outputs[0].token_ids for o in outs], "replicas": replicas, "held": held, "stats": stats,
+            "idle": not engine.has_unfinished()}
 
 
 def _uneven_vocab_logits_error() -> float:
@@ -95,7 +99,8 @@ def test_distributed_engine_greedy_equals_single_device(checkpoint, reference):
         assert result["held"] < full, name  # rank 0 holds its shards, not the model
         if dp_attention > 1:  # every replica served requests
             assert sorted(set(result["replicas"])) == list(range(dp_attention)), name
-        assert result["stats"]["num_running"] == 0 and result["stats"]["num_replicas"] == dp_attention
+        assert result["stats"]["num_running"] == result["stats"]["num_waiting"] == 0 and result["idle"], name
+        assert result["stats"]["num_replicas"] == dp_attention
     assert rank0["uneven_vocab_error"] < 1e-5
 
 

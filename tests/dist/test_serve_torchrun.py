@@ -70,7 +70,6 @@ def _assert_same(got, want):
             assert g == w
 
 
-@pytest.mark.slow  # two ranks start under torchrun and load the checkpoint: ~1 min on the shared CPU
 def test_openai_client_against_torchrun_tp2(checkpoint):
     port = free_port()
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
