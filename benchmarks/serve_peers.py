@@ -23,7 +23,7 @@ Each peer lives in its own virtual environment under --envs, made by this script
             distribution. KV cache in f32: an f16 cache flips near-tied greedy tokens. llama-cpp-python
             decodes one sequence at a time, so llama.cpp has a batch-1 number only.
 Each peer is measured in a child process running this file with its environment's python
-(`--worker NAME`), which prints one JSON line. Startup time is printed, not counted.
+(`--worker NAME`), which prints one JSON line after RESULT. Startup time is printed, not counted.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from pathlib import Path
 VLLM_VERSION = "0.32.0"
 LLAMA_CPP_VERSION = "0.3.36"
 GGML_TYPE_F32 = 0  # ggml's type id for an f32 KV cache
+RESULT = "SEEKFORGE-PEER-RESULT "  # prefix of the worker's one JSON line
 MODEL_OVERRIDES = dict(kv_lora_rank=512, qk_rope_head_dim=64, num_nextn_predict_layers=0)
 DRY_OVERRIDES = dict(num_nextn_predict_layers=0)  # the tiny preset, for --dry-run
 
@@ -217,7 +218,12 @@ def run_peer(name: str, env: Path, work: dict, threads: int) -> dict:
                           env={**env_vars, **extra})
     if done.returncode:
         raise RuntimeError(f"{name} worker failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    # The peer's own logging may share stdout (vLLM prints after the worker returns): find our line.
+    lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT)]
+    if not lines:
+        raise RuntimeError(f"{name} worker printed no result; the end of its stdout:\n{done.stdout[-2000:]}\n"
+                           f"stderr:\n{done.stderr[-2000:]}")
+    return json.loads(lines[-1].removeprefix(RESULT))
 
 
 def main() -> None:
@@ -232,7 +238,7 @@ def main() -> None:
     p.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        print(json.dumps(WORKERS[args.worker[0]](json.loads(Path(args.worker[1]).read_text()))))
+        print(RESULT + json.dumps(WORKERS[args.worker[0]](json.loads(Path(args.worker[1]).read_text()))), flush=True)
         return
 
     import torch
@@ -276,6 +282,9 @@ def main() -> None:
            envs / "convert.log")
 
     results = {"seekforge": seekforge_side(model, prompts, new)}
+    ours = results["seekforge"]  # printed now: a peer that fails later must not take these with it
+    print(f"seekforge: {ours['tok_per_s']:.1f} new tok/s at {n} requests, {ours['ms_per_token']:.2f} ms/token batch 1",
+          flush=True)
     for name in peers:
         try:
             results[name] = run_peer(name, envs / name, work, args.threads)
