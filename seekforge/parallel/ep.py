@@ -141,7 +141,7 @@ class AllToAllDispatcher:
         y = all_to_all(y, back)  # (S, H) in this rank's sorted order
         self.wait_seconds += time.perf_counter() - start
         n, k = weights.shape
-        unsorted = torch.empty_like(y).index_copy(0, order, y).view(n, k, -1)  # (N, K, H)
+        unsorted = torch.empty_like(y).index_copy(0, order, y).view(n, k, y.shape[-1])  # (N, K, H); N may be 0
         return weighted_sum(unsorted, weights)  # the same sum as LocalDispatcher.combine
 
 

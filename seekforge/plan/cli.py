@@ -40,6 +40,9 @@ def add_arguments(p):
     schedule.add_argument("--backward-input", type=float, default=1.0, help="B (input gradient) time per stage")
     schedule.add_argument("--backward-weight", type=float, default=1.0, help="W (weight gradient) time per stage")
     schedule.add_argument("--recompute", type=float, default=0.0, help="recompute time added before B")
+    schedule.add_argument("--fandb", type=float, help="DualPipeV: time of one overlapped F&B unit (a forward "
+                          "and a full backward, DeepSeek's F&B); default F + B, the two run one after the other "
+                          "as torch runs them")
     schedule.add_argument("--p2p-latency", type=float, default=0.0)
     schedule.add_argument("--png", help="write the timeline picture here")
 
@@ -108,7 +111,15 @@ def _schedule(args):
 
     costs = sched.uniform_costs(args.schedule, args.pp, args.forward, args.backward_input, args.backward_weight,
                                 args.recompute)
-    result = sched.simulate(args.schedule, costs, args.microbatches, args.p2p_latency)
+    overlap = 0.0
+    if args.fandb is not None:
+        if args.schedule != "DualPipeV":
+            raise ValueError(f"--fandb times DualPipeV's overlapped F&B units; {args.schedule} has none: drop it")
+        f, b = args.forward, args.recompute + args.backward_input + args.backward_weight
+        if not max(f, b) <= args.fandb <= f + b:
+            raise ValueError(f"--fandb {args.fandb} must lie between max(F, B) = {max(f, b)} and F + B = {f + b}")
+        overlap = f + b - args.fandb  # the time the overlap hides
+    result = sched.simulate(args.schedule, costs, args.microbatches, args.p2p_latency, overlap)
     print(f"{args.schedule}: {args.pp} ranks, {len(costs)} stages, {args.microbatches} micro-batches")
     print(f"step time {result.step_time:.4g}, bubble {result.bubble_time:.4g} ({result.bubble_ratio:.1%} of a "
           f"rank's compute)")

@@ -7,9 +7,15 @@ backward (W) and full backward (B = I + W) actions is read from `torch.distribut
 inputs exist (the previous stage's F, the next stage's I/B, plus a p2p latency across ranks), and
 lasts its stage's cost.
 
-Outputs: step time, bubble (idle time inside a rank's span, as the Zero Bubble paper counts it), the
-peak number of micro-batches whose activations a stage holds (F started, I/B not finished), and a
-timeline picture.
+DualPipeV's OVERLAP_F_B actions (a forward of one local stage with a full backward of the other) are
+one unit here, as in both runtimes that run them: torch's `_add_send_recv` receives both inputs before
+the unit and sends both outputs after it, and DeepSeek's `dualpipev.py` (`_forward_backward_chunk`)
+waits on both receives, computes, then sends both. The unit lasts F + B - `overlap`: DeepSeek's F&B,
+the time of "two mutually overlapped forward and backward chunks"; `overlap` = 0 (the default) is
+torch's runtime, which runs the two one after the other.
+
+Outputs: step time, bubble (see `simulate`), the peak number of micro-batches whose activations a
+stage holds (F started, I/B not finished), and a timeline picture.
 
 "ZB-H1" is torch's InterleavedZeroBubble (ZB1P) with one stage per rank, the Zero Bubble paper's
 ZB-H1; it is simulated but not a `--parallel` schedule (seekforge runs InterleavedZeroBubble with two
@@ -53,13 +59,14 @@ class Event:
     action: Action
     start: float
     end: float
+    overlapped: bool = False  # one half of an F&B unit (its share of the unit's time, for the picture)
 
 
 @dataclass
 class SimResult:
     schedule: str
     step_time: float
-    bubble_time: float  # the largest idle time of a rank between its first and its last action
+    bubble_time: float  # idle time per step of the most idle rank when steps run back to back (simulate)
     bubble_ratio: float  # bubble_time / that rank's compute time (the Zero Bubble paper's "bubble rate")
     peak_inflight: list[int]  # per stage: micro-batches holding activations at once
     stage_to_rank: list[int]
@@ -93,15 +100,16 @@ def stages_per_rank(schedule: str) -> int:
     return 1 if schedule in ("GPipe", "1F1B", "ZB-H1") else 2
 
 
-def pipeline_actions(schedule: str, pp: int, microbatches: int) -> dict[int, list[Action]]:
-    """Each rank's compute actions in execution order, as torch.distributed.pipelining orders them.
+def pipeline_actions(schedule: str, pp: int, microbatches: int) -> dict[int, list[tuple[Action, ...]]]:
+    """Each rank's compute units in execution order, as torch.distributed.pipelining orders them: one
+    action, or DualPipeV's overlapped (forward, full backward) pair.
 
     The schedule classes compute their order in __init__ from a stage's group size, rank and stage
     count only; stand-in stage objects with those fields give the order without a process group."""
     if schedule not in SIMULATED_SCHEDULES:
         raise ValueError(f"schedule {schedule!r} is not simulated; choose one of {SIMULATED_SCHEDULES}")
     if schedule == "1F1B":
-        return {rank: _one_f_one_b(rank, pp, microbatches) for rank in range(pp)}
+        return {rank: [(a,) for a in _one_f_one_b(rank, pp, microbatches)] for rank in range(pp)}
     torch_name = "InterleavedZeroBubble" if schedule == "ZB-H1" else schedule
     cls = torch_schedules.get_schedule_class(torch_name)
     local = stages_per_rank(schedule)
@@ -109,7 +117,7 @@ def pipeline_actions(schedule: str, pp: int, microbatches: int) -> dict[int, lis
               for i in range(local)]
     single = issubclass(cls, torch_schedules.PipelineScheduleSingle)
     order = cls(stages[0] if single else stages, microbatches).pipeline_order
-    return {rank: _compute_actions(order[rank]) for rank in range(pp)}
+    return {rank: _compute_units(order[rank]) for rank in range(pp)}
 
 
 def _one_f_one_b(rank: int, pp: int, microbatches: int) -> list[Action]:
@@ -125,30 +133,48 @@ def _one_f_one_b(rank: int, pp: int, microbatches: int) -> list[Action]:
     return order
 
 
-def _compute_actions(raw: list) -> list[Action]:
+def _compute_units(raw: list) -> list[tuple[Action, ...]]:
     out = []
     for a in raw:
         if a is None:
             continue
-        parts = a.sub_actions if a.sub_actions is not None else (a,)  # OVERLAP_F_B: its F and B in turn
-        for p in parts:
-            kind = p.computation_type.value
-            if kind in (_F, _I, _W, _B):
-                out.append(Action(p.stage_index, kind, p.microbatch_index))
+        parts = a.sub_actions if a.sub_actions is not None else (a,)  # OVERLAP_F_B: (F, B) as one unit
+        unit = tuple(Action(p.stage_index, p.computation_type.value, p.microbatch_index) for p in parts
+                     if p.computation_type.value in (_F, _I, _W, _B))
+        if unit:
+            out.append(unit)
     return out
 
 
-def simulate(schedule: str, costs: list[StageCost], microbatches: int, p2p_latency: float = 0.0) -> SimResult:
-    """Run `schedule` with one StageCost per stage (len = pp × stages per rank) and time every action."""
+def simulate(schedule: str, costs: list[StageCost], microbatches: int, p2p_latency: float = 0.0,
+             overlap: float = 0.0) -> SimResult:
+    """Run `schedule` with one StageCost per stage (len = pp × stages per rank) and time every action.
+
+    `overlap`: seconds a DualPipeV F&B unit saves over running its forward and full backward back to
+    back; the unit lasts F + B - overlap (DeepSeek's F&B), between max(F, B) and F + B.
+
+    Bubble: each rank's idle time per step when steps run back to back, the largest over ranks. Repeating
+    the simulated step every P = (the longest span of one rank's first start to its last end) keeps
+    every dependency and never overlaps a rank with itself, so rank r idles P - (its compute) per step.
+    Where every rank computes the same (equal stage costs; no DualPipeV overlap) this is the largest idle
+    time inside one rank's span: the Zero Bubble paper's count (§2: 1F1B (p-1)(F+B+W); ZB-V and ZB-H2
+    are "zero bubble" because their staggered starts and ends interlock across steps). For DualPipeV it
+    is what every device row of DeepSeek's DualPipe README picture shows, warm-up included (the last
+    rank's first forward waits every step, as rank 0 ends each step last): (n-1)(F&B + F - 2W) for n
+    ranks, W <= B - W <= F, B the full backward; the README's (PP/2-1)(F&B + B - 3W) where B - W = F,
+    as its picture draws it. tests/plan/test_dualpipev.py derives it."""
     local = stages_per_rank(schedule)
     if len(costs) % local:
         raise ValueError(f"{schedule} puts {local} stages on each rank; got {len(costs)} stage costs")
+    if overlap and schedule != "DualPipeV":
+        raise ValueError(f"overlap applies to DualPipeV's overlapped F&B units; {schedule} has none: drop it")
     pp = len(costs) // local
-    actions = pipeline_actions(schedule, pp, microbatches)
+    units = pipeline_actions(schedule, pp, microbatches)
     stage_to_rank = [0] * len(costs)
-    for rank, acts in actions.items():
-        for a in acts:
-            stage_to_rank[a.stage] = rank
+    for rank, rank_units in units.items():
+        for unit in rank_units:
+            for a in unit:
+                stage_to_rank[a.stage] = rank
     last = len(costs) - 1
 
     def duration(a: Action) -> float:
@@ -177,33 +203,39 @@ def simulate(schedule: str, costs: list[StageCost], microbatches: int, p2p_laten
     done: dict[tuple[int, str, int], float] = {}
     cursor, free_at = [0] * pp, [0.0] * pp
     events: list[Event] = []
-    remaining = sum(len(a) for a in actions.values())
+    remaining = sum(len(u) for u in units.values())
     while remaining:
         progressed = False
         for rank in range(pp):
-            while cursor[rank] < len(actions[rank]):
-                a = actions[rank][cursor[rank]]
-                ready = ready_time(a, done)
-                if ready is None:
+            while cursor[rank] < len(units[rank]):
+                unit = units[rank][cursor[rank]]
+                inputs = [ready_time(a, done) for a in unit]
+                if None in inputs:
                     break
-                start = max(ready, free_at[rank])
-                end = start + duration(a)
-                done[(a.stage, a.kind, a.microbatch)] = end
-                events.append(Event(rank, a, start, end))
-                free_at[rank], cursor[rank] = end, cursor[rank] + 1
+                start = max([free_at[rank], *inputs])
+                serial = [duration(a) for a in unit]
+                if len(unit) == 2 and not 0.0 <= overlap <= min(serial):
+                    raise ValueError(f"overlap {overlap} must lie in [0, {min(serial)}] (F&B is at least the "
+                                     f"longer of its forward {serial[0]} and backward {serial[1]})")
+                scale = (sum(serial) - overlap) / sum(serial) if len(unit) == 2 else 1.0
+                t = start
+                for a, d in zip(unit, serial, strict=True):  # a pair: each half drawn over its share of the unit's time
+                    events.append(Event(rank, a, t, t + d * scale, overlapped=len(unit) == 2))
+                    t += d * scale
+                for a in unit:  # a pair's outputs leave together, after the unit
+                    done[(a.stage, a.kind, a.microbatch)] = t
+                free_at[rank], cursor[rank] = t, cursor[rank] + 1
                 remaining -= 1
                 progressed = True
-        assert progressed, f"{schedule}: action order deadlocks at {[actions[r][cursor[r]] for r in range(pp)]}"
+        assert progressed, f"{schedule}: action order deadlocks at {[units[r][cursor[r]] for r in range(pp)]}"
 
-    # Bubble as the Zero Bubble paper (§2) and DeepSeek's DualPipe table count it: idle time inside each
-    # rank's own span; a rank's wait for its first input (the warm-up ramp) is not a bubble.
-    idle = []
-    for rank in range(pp):
-        mine = [e for e in events if e.rank == rank]
-        busy = sum(e.end - e.start for e in mine)
-        idle.append((max(e.end for e in mine) - min(e.start for e in mine) - busy, busy))
-    bubble, busy = max(idle)
-    result = SimResult(schedule, max(free_at), bubble, bubble / busy if busy else 0.0, [], stage_to_rank, events)
+    busy, first, end = [0.0] * pp, [float("inf")] * pp, [0.0] * pp
+    for e in events:
+        busy[e.rank] += e.end - e.start
+        first[e.rank], end[e.rank] = min(first[e.rank], e.start), max(end[e.rank], e.end)
+    period = max(end[r] - first[r] for r in range(pp))
+    bubble, work = max((period - busy[r], busy[r]) for r in range(pp))
+    result = SimResult(schedule, max(free_at), bubble, bubble / work if work else 0.0, [], stage_to_rank, events)
     live = [0] * len(costs)
     result.peak_inflight = [0] * len(costs)
     for stage, sign in result._activation_deltas():
@@ -213,7 +245,8 @@ def simulate(schedule: str, costs: list[StageCost], microbatches: int, p2p_laten
 
 
 def draw_timeline(result: SimResult, path: str) -> None:
-    """A PNG with one row per rank; F, I, W and B coloured, the micro-batch number on each box."""
+    """A PNG with one row per rank; F, I, W and B coloured, the micro-batch number on each box, the two
+    halves of an overlapped F&B unit edged in black (as DeepSeek draws them)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -224,7 +257,7 @@ def draw_timeline(result: SimResult, path: str) -> None:
     fig, ax = plt.subplots(figsize=(14, 0.6 * ranks + 1.2))
     for e in result.events:
         ax.broken_barh([(e.start, e.end - e.start)], (e.rank - 0.4, 0.8), facecolors=colours[e.action.kind],
-                       edgecolors="white", linewidth=0.5)
+                       edgecolors="black" if e.overlapped else "white", linewidth=0.5)
         if result.step_time and (e.end - e.start) / result.step_time > 0.012:
             ax.text((e.start + e.end) / 2, e.rank, str(e.action.microbatch), ha="center", va="center",
                     fontsize=6, color="white")

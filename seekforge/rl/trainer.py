@@ -9,7 +9,8 @@ One iteration (`step`):
   4. μ optimizer steps over the whole batch, each the sum of the rows' gradients (rl/update.py);
   5. the prefix cache is dropped: the engine's next request sees the new weights.
 Under torchrun each rank runs this with its own engine; the policy is FSDP-sharded over the ranks
-(`fsdp`, the default; the engine then holds a full replica that each update refreshes in memory) or
+(`fsdp`, the default; the engine then holds a full replica that each update refreshes in memory through
+the resharding planner, parallel/transfer.py) or
 replicated (see the data-parallel helpers at the end). Training state lives in train/'s checkpoint
 format (DCP: policy, optimizer, scheduler, the prompt position, RNG); the reference model is the base
 checkpoint, rebuilt from it on resume.
@@ -116,6 +117,7 @@ class GRPOTrainer:
             self.dtype_reason = (f"fp32 (auto: hidden_size {policy.cfg.hidden_size} < {_MIN_BF16_HIDDEN}, where "
                                  f"autocast's casts cost more than bf16 matmuls save; --dtype bf16 to force)")
         self.sharded = _distributed() and cfg.fsdp
+        self._replica_plan = None  # (transfers, source dtypes) from the FSDP policy to the replica
         self.engine_model = policy
         if self.sharded or self.compute_dtype != policy.embed_tokens.weight.dtype:
             self.engine_model = copy.deepcopy(policy).requires_grad_(False).to(self.compute_dtype)
@@ -157,12 +159,29 @@ class GRPOTrainer:
         """The engine serves the policy's current weights: shared tensors already are (only the prefix
         cache goes); a replica gets them copied in place (an FSDP policy's shards gathered, cast to
         the replica's dtype)."""
-        if self.engine_model is not self.policy:
+        if self.sharded:
+            self._sync_replica()
+        elif self.engine_model is not self.policy:
             with torch.no_grad():
                 replica = dict(self.engine_model.named_parameters())
                 for name, param in self.policy.named_parameters():
                     replica[name].copy_(plain_tensor(param))
         self.rollout.weights_updated()
+
+    def _sync_replica(self) -> None:
+        """FSDP shards → every rank's full replica in the engine's dtype, by the resharding planner and
+        its point-to-point executor (parallel/transfer.py): each rank receives only the boxes it lacks,
+        in batched rounds, instead of an all-gather per parameter. The layouts never change, so the
+        plan is made once."""
+        from seekforge.parallel.layout import layout_of_model
+        from seekforge.parallel.reshard import plan_reshard
+        from seekforge.parallel.transfer import execute, shards_of
+
+        if self._replica_plan is None:
+            src, dst = layout_of_model(self.policy), layout_of_model(self.engine_model)
+            self._replica_plan = plan_reshard(src, dst), {name: t.dtype for name, t in src.tensors.items()}
+        plan, dtypes = self._replica_plan
+        execute(plan, dtypes, shards_of(self.policy), shards_of(self.engine_model))
 
     def _autocast(self):
         if self.compute_dtype == torch.float32:

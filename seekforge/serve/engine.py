@@ -83,7 +83,8 @@ class Request:
 
 
 class LLMEngine:
-    def __init__(self, model: Transformer, tokenizer, config: EngineConfig | None = None):
+    def __init__(self, model: Transformer, tokenizer, config: EngineConfig | None = None, make_runner=Runner):
+        """make_runner(model, config, num_blocks): the Runner (serve/distributed.py passes a sharded one)."""
         self.config = config = config or EngineConfig()
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -95,7 +96,7 @@ class LLMEngine:
         num_blocks = num_kv_blocks(model, config)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
-        self.runner = Runner(model, config, num_blocks)
+        self.runner = make_runner(model, config, num_blocks)
         self.spec = SpecDecoder(self.runner, self.block_manager, config.speculative_tokens, self.max_model_len) \
             if config.speculative_tokens else None
         self.capacity = num_blocks * config.block_size
@@ -348,6 +349,17 @@ class LLMEngine:
         return stats
 
 
+def drain(engine, ids: list[str]) -> list[RequestOutput]:
+    """Step `engine` (an LLMEngine, or serve/distributed.py's DistributedEngine) until the requests
+    `ids` finish → their final outputs, in that order."""
+    done: dict[str, RequestOutput] = {}
+    while len(done) < len(ids):
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return [done[i] for i in ids]
+
+
 class LLM:
     """Offline batched generation: `LLM("tiny").generate(prompts, SamplingParams(...))`.
 
@@ -386,13 +398,7 @@ class LLM:
         loras = lora_name if isinstance(lora_name, list) else [lora_name] * len(prompts)
         requests = [engine.make_request(p, sp, lora_name=lora)
                     for p, sp, lora in zip(prompts, sampling_params, loras, strict=True)]
-        ids = [engine.add(r) for r in requests]  # all validated first: a bad prompt adds nothing
-        done: dict[str, RequestOutput] = {}
-        while len(done) < len(ids):
-            for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = out
-        return [done[i] for i in ids]
+        return drain(engine, [engine.add(r) for r in requests])  # all validated first: a bad prompt adds nothing
 
     def reset_prefix_cache(self) -> None:
         """The engine shares the model object: after updating its weights in place (GRPO), call this

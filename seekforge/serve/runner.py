@@ -63,6 +63,20 @@ def chunks_of(batch: ScheduledBatch) -> list[Chunk]:
     return chunks
 
 
+def flat_order(chunks: list[Chunk]) -> list[Chunk]:
+    """The order of chunks in a step's flat batch: decode rows first (see kv_cache.py)."""
+    return [c for c in chunks if c.decode] + [c for c in chunks if not c.decode]
+
+
+def first_rows(chunks: list[Chunk]) -> list[int]:
+    """The flat row of each chunk's first token, in the order given."""
+    first, flat = {}, 0
+    for c in flat_order(chunks):
+        first[id(c)] = flat
+        flat += len(c.token_ids)
+    return [first[id(c)] for c in chunks]
+
+
 def prompt_rows(chunks: list[Chunk], rows: list[int]) -> list[tuple[Sequence, slice]]:
     """For each chunk (first flat row in `rows`) of a sequence wanting prompt logprobs, the flat rows
     that predict a prompt token not yet scored: the row at position p predicts token p + 1, and a
@@ -97,13 +111,10 @@ class Runner:
     def prepare(self, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """→ input ids (1, T), positions (T,), AttentionMetadata, and the flat row of each chunk's first
         token (in the order given). Decode rows go first (see kv_cache.py)."""
-        order = [c for c in chunks if c.decode] + [c for c in chunks if not c.decode]
+        order = flat_order(chunks)
         bs = self.block_size
-        input_ids, first_row, flat = [], {}, 0
-        for c in order:
-            first_row[id(c)] = flat
-            input_ids.extend(c.token_ids)
-            flat += len(c.token_ids)
+        input_ids = [t for c in order for t in c.token_ids]
+        flat = len(input_ids)
         # Vectorized slot mapping: token k of chunk j sits at block_table[j][pos // L] · L + pos % L.
         tables = [c.seq.block_table for c in order]
         max_blocks = max(len(t) for t in tables)
@@ -139,7 +150,7 @@ class Runner:
         )
         self._set_lora(metadata, [c.seq for c in order], [len(c.token_ids) for c in order], nd)
         ids = torch.tensor([input_ids], dtype=torch.long, device=to)
-        return ids, pos.to(to), metadata, [first_row[id(c)] for c in chunks]
+        return ids, pos.to(to), metadata, first_rows(chunks)
 
     def _clear_lora(self) -> None:
         if self.lora is not None:
@@ -194,14 +205,26 @@ class Runner:
         each sequence wanting prompt logprobs the fp32 logits (R, V) of the rows that predict its next R
         prompt tokens (the first is its token number len(seq.prompt_logprobs))."""
         chunks = chunks_of(batch)
-        hidden, rows = self.forward(chunks)
-        prompt_logits = [(seq, self.logits(hidden[r])) for seq, r in prompt_rows(chunks, rows)]
+        rows = first_rows(chunks)
+        prompt = prompt_rows(chunks, rows)
         sample = [(r + len(c.token_ids) - 1, c.seq) for c, r in zip(chunks, rows, strict=True)
                   if c.start + len(c.token_ids) == c.seq.num_tokens]
-        if not sample:
-            return hidden.new_empty(0, self.model.cfg.vocab_size).float(), [], prompt_logits
-        last = hidden[[r for r, _ in sample]]  # only the sampled rows reach the head
-        return self.logits(last), [s for _, s in sample], prompt_logits
+        # only these rows reach the head, in one call: prompt-logprob rows, then the sampled rows
+        head_rows = [i for _, span in prompt for i in range(span.start, span.stop)] + [r for r, _ in sample]
+        logits = self.execute(chunks, head_rows)
+        prompt_logits, start = [], 0
+        for seq, span in prompt:
+            prompt_logits.append((seq, logits[start:start + span.stop - span.start]))
+            start += span.stop - span.start
+        return logits[start:], [s for _, s in sample], prompt_logits
+
+    def execute(self, chunks: list[Chunk], head_rows: list[int]) -> torch.Tensor:
+        """The main model over `chunks`, then the head on flat rows `head_rows` → fp32 logits (R, V).
+        The seam serve/distributed.py's ShardedRunner mirrors on the other ranks of a TP group."""
+        hidden, _ = self.forward(chunks)
+        if not head_rows:
+            return hidden.new_empty(0, self.model.cfg.vocab_size).float()
+        return self.logits(hidden[head_rows])
 
     @torch.inference_mode()
     def decode_steps(self, seqs: list[Sequence], num_steps: int, draw) -> list[tuple[torch.Tensor, torch.Tensor]]:

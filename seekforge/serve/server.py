@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import secrets
 import time
 import uuid
@@ -498,6 +499,13 @@ def add_arguments(p):
                    help="serve LoRA adapters (POST /v1/load_lora_adapter at run time); implied by --lora-modules")
     p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                    help="PEFT LoRA adapter directories to load at start; a request's `model` selects one by NAME")
+    p.add_argument("--tp", type=int, default=1,
+                   help="under torchrun: attention (and dense MLP) tensor parallel over this many ranks per replica")
+    p.add_argument("--dp-attention", type=int, default=1,
+                   help="under torchrun: attention data parallel: this many replicas, each with its own requests, "
+                        "scheduler and latent cache (world size = tp x dp-attention)")
+    p.add_argument("--ep", type=int, default=1,
+                   help="under torchrun: split the routed experts over groups of this many ranks (all-to-all dispatch)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--log-level", default="info")
     p.add_argument("--trace-dir", default="traces", help="where POST /debug/trace and SIGUSR2 write profiler traces")
@@ -538,10 +546,16 @@ def run(args):
         torch.set_num_threads(args.threads)
     dtype, why = resolve_dtype(args.dtype)
     logging.getLogger("seekforge.serve").info("dtype: %s", why)
+    if args.tp * args.dp_attention * args.ep > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return run_distributed(args, dtype)
     model, tokenizer = load_model(args.model, dtype)
     core = LLMEngine(model, tokenizer, engine_config_from_args(args))
     for name, path in parse_lora_modules(args.lora_modules):
         core.load_lora(name, path)
+    serve_engine(core, args)
+
+
+def serve_engine(core, args) -> None:
     engine = AsyncEngine(core)
     app = build_app(engine, args.served_model_name or args.model, args.api_key, args.trace_dir)
     app.state.tracer.install_signal()
@@ -549,3 +563,20 @@ def run(args):
         limits.serve(app, limits.limits_from_args(args), args.host, args.port, args.log_level)
     finally:
         engine.shutdown()
+
+
+def run_distributed(args, dtype) -> None:
+    """Under torchrun (serve/distributed.py): rank 0 serves HTTP; the other ranks step with it."""
+    import torch.distributed as dist
+
+    from seekforge.serve.distributed import start
+
+    core = start(args.model, args.tp, args.dp_attention, args.ep, dtype, engine_config_from_args(args))
+    try:
+        if core is not None:  # rank 0; the others return once rank 0 stops them
+            try:
+                serve_engine(core, args)
+            finally:
+                core.shutdown()
+    finally:
+        dist.destroy_process_group()

@@ -25,6 +25,15 @@ def test_plan_schedule_writes_the_timeline(capsys, tmp_path):
     assert (tmp_path / "zbv.png").exists()
 
 
+def test_plan_schedule_dualpipev_fandb(capsys):
+    """F = 1, B = 2 (I = W = 1), F&B = 2.5 on 4 ranks: DeepSeek's (4 - 1)(2.5 + 2 - 3) = 4.5."""
+    main(["plan", "schedule", "--schedule", "DualPipeV", "--pp", "4", "--microbatches", "10", "--fandb", "2.5"])
+    assert "bubble 4.5 " in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "schedule", "--schedule", "DualPipeV", "--pp", "4", "--microbatches", "10", "--fandb", "1.5"])
+    assert exit_info.value.code == 2 and "--fandb 1.5 must lie between" in capsys.readouterr().err
+
+
 def test_plan_balance_prints_a_parallel_argument(capsys):
     main(["plan", "balance", "--preset", "small", "--pp", "2", "--seq-len", "256", "--micro-batch-size", "2",
           "--flops", "1e12"])
