@@ -57,6 +57,7 @@ class InputStats:
 class QuantReport:
     schemes: dict[str, str] = field(default_factory=dict)  # HF name → scheme name
     rtn_fallback: list[str] = field(default_factory=list)  # experts no calibration token reached
+    expert_rows: list[int] = field(default_factory=list)  # calibration rows each routed expert received
     smoothed: list[str] = field(default_factory=list)  # "norm → consumers"
 
     def summary(self) -> str:
@@ -66,6 +67,12 @@ class QuantReport:
         lines = [f"quantized {len(self.schemes)} linear(s): " + ", ".join(f"{n} × {s}" for s, n in by_scheme.items())]
         if self.smoothed:
             lines.append(f"SmoothQuant folded into {len(self.smoothed)} norm(s), e.g. {self.smoothed[0]}")
+        if self.expert_rows:
+            reached = sorted(n for n in self.expert_rows if n) or [0]
+            lines.append(f"routed experts: {sum(n > 0 for n in self.expert_rows)} of {len(self.expert_rows)} received "
+                         f"calibration tokens and were calibrated on their own (rows per expert: min {reached[0]}, "
+                         f"median {reached[len(reached) // 2]}, max {reached[-1]}); "
+                         f"{len(self.rtn_fallback)} fell back to RTN")
         if self.rtn_fallback:
             lines.append(f"{len(self.rtn_fallback)} expert(s) received no calibration token and use RTN: "
                          + ", ".join(self.rtn_fallback[:8]) + (" …" if len(self.rtn_fallback) > 8 else ""))
@@ -209,6 +216,8 @@ def quantize_experts(experts: GroupedExperts, scheme: Scheme, hf: str, stats: di
                      report: QuantReport) -> QuantExperts:
     num_experts = experts.down_proj.shape[0]
     reached = [e for e in range(num_experts) if stats.get(f"{hf}.{e}.gate_up", InputStats()).rows > 0]
+    if recipe.needs_calibration:
+        report.expert_rows += [stats.get(f"{hf}.{e}.gate_up", InputStats()).rows for e in range(num_experts)]
     gate_up, down = [], []
     for e in range(num_experts):
         unit_stats = []

@@ -32,6 +32,28 @@ def int8_matmul(x: torch.Tensor, qweight_t: torch.Tensor, weight_scale: torch.Te
     return torch.mul(acc, x_scale * weight_scale).to(x.dtype)  # (M, 1)·(O,) → (M, O) rescale, one pass
 
 
+def int8_grouped_matmul(x: torch.Tensor, qweights_t: list[torch.Tensor], weight_scale: torch.Tensor,
+                        input_scale: torch.Tensor | None, counts: torch.Tensor) -> torch.Tensor:
+    """Routed experts' W8A8: x (S, I) sorted by expert, qweights_t[e] (I, O) int8, weight_scale (E, O),
+    input_scale (E,) static or None (per token), counts (E,) → (S, O) in x's dtype.
+
+    The same numbers as int8_matmul expert by expert (per-token scales are per row; a static scale is
+    repeated over its expert's rows): one activation quantization and one rescale for all rows, and
+    only the int8 GEMM per expert, written in place. At batch-1 decode each call is a few
+    microseconds of dispatch, so the per-expert path's 2 × top-k quantize/rescale rounds cost more
+    than the GEMMs (BENCHMARKS.md, Quantization)."""
+    rows = None if input_scale is None else input_scale.float().repeat_interleave(counts)[:, None]  # (S, 1)
+    xq, x_scale = quantize_activation(x, rows)
+    acc = torch.empty(x.shape[0], weight_scale.shape[1], dtype=torch.int32)  # (S, O)
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        if n:
+            torch._int_mm(xq[start:start + n], qweights_t[e], out=acc[start:start + n])
+        start += n
+    w_rows = weight_scale.repeat_interleave(counts, dim=0)  # (S, O): each row's expert's channel scales
+    return torch.mul(acc, x_scale * w_rows).to(x.dtype)
+
+
 def int8_matmul_reference(x: torch.Tensor, weight: torch.Tensor, input_scale: torch.Tensor | None) -> torch.Tensor:
     """Same contract with the dequantized weight (O, I): fake-quantize x, fp32 matmul."""
     xq, x_scale = quantize_activation(x, input_scale)

@@ -115,9 +115,36 @@ class QuantExperts(nn.Module):
     def __init__(self, gate_up: list[QuantLinear], down: list[QuantLinear]):
         super().__init__()
         self.gate_up, self.down = nn.ModuleList(gate_up), nn.ModuleList(down)
+        self._kernel_cache: dict = {}
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """x (S, H) sorted by expert → (S, H); experts that received no token are skipped."""
+        if x.device.type == "cpu" and self.gate_up[0].scheme.input_activations is not None:
+            return self.int8_forward(x, num_tokens_per_expert)
+        return self.per_expert(x, num_tokens_per_expert)
+
+    def int8_forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """W8A8 with every expert's rows in one quantize and one rescale (kernels.int8_grouped_matmul);
+        `per_expert` is what it must equal."""
+        if "int8" not in self._kernel_cache:
+            self._kernel_cache["int8"] = [self._int8_layout(self.gate_up), self._int8_layout(self.down)]
+        (gu_q, gu_scale, gu_in), (down_q, down_scale, down_in) = self._kernel_cache["int8"]
+        gate, up = kernels.int8_grouped_matmul(x, gu_q, gu_scale, gu_in, num_tokens_per_expert).chunk(2, dim=-1)
+        return kernels.int8_grouped_matmul(F.silu(gate) * up, down_q, down_scale, down_in, num_tokens_per_expert)
+
+    @staticmethod
+    def _int8_layout(linears: nn.ModuleList):
+        """→ ([qweight_t (I, O)] per expert, weight scales (E, O), static input scales (E,) or None)."""
+        static = linears[0].input_scale is not None
+        return ([m.qweight.t().contiguous() for m in linears],
+                torch.stack([m.weight_scale.view(-1).float() for m in linears]),
+                torch.cat([m.input_scale.float() for m in linears]) if static else None)
+
+    def _apply(self, fn, recurse=True):  # the stacked layouts belong to the old tensors
+        self._kernel_cache = {}
+        return super()._apply(fn, recurse)
+
+    def per_expert(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(x)
         start = 0
         for e, n in enumerate(num_tokens_per_expert.tolist()):

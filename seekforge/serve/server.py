@@ -506,7 +506,7 @@ def add_arguments(p):
                         "scheduler and latent cache (world size = tp x dp-attention)")
     p.add_argument("--ep", type=int, default=1,
                    help="under torchrun: split the routed experts over groups of this many ranks (all-to-all dispatch)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (None: torch's choice)")
     p.add_argument("--log-level", default="info")
     p.add_argument("--trace-dir", default="traces", help="where POST /debug/trace and SIGUSR2 write profiler traces")
     limits.add_arguments(p)

@@ -96,6 +96,11 @@ def test_experts_calibrate_on_their_own_tokens_and_unreached_ones_fall_back_to_r
     recipe = Recipe(scheme="w4a16", group_size=32, method="gptq")
     report = quantize_model(model, recipe, samples, progress=False)
     assert report.rtn_fallback
+    moe_layers = sum(isinstance(getattr(layer.mlp, "experts", None), QuantExperts) for layer in model.layers)
+    assert len(report.expert_rows) == 64 * moe_layers
+    assert sum(n == 0 for n in report.expert_rows) == len(report.rtn_fallback)
+    assert sum(report.expert_rows) == 12 * cfg.num_experts_per_tok * moe_layers  # each token's top-k copies
+    assert f"{len(report.rtn_fallback)} fell back to RTN" in report.summary()
     name = report.rtn_fallback[0]  # model.layers.L.mlp.experts.E
     layer, expert = int(name.split(".")[2]), int(name.rsplit(".", 1)[1])
     experts = model.layers[layer].mlp.experts

@@ -75,12 +75,21 @@ def test_calibration_data_that_does_not_tokenize(tmp_path, tiny):
         calibration_samples(str(bad), WrongTokenizer(), tiny.cfg.vocab_size, 4, 64)
 
 
-def test_cli_bad_recipe_is_one_message_and_writes_nothing(tmp_path):
+@pytest.mark.parametrize("recipe_text, message", [
+    ("scheme: w4a16\ngroup_size: 32\ntargets: ['re:.*no_such_proj$']\n", "matches no linear module"),
+    ("scheme: w3a16\n", "unsupported scheme"),
+    ("scheme: w8a8-static\nnum_calibration_samples: 2\ndataset: DATA\n", "tokenizes to 0"),
+])
+def test_cli_bad_recipe_is_one_message_and_writes_nothing(tmp_path, recipe_text, message):
+    """The three ways a recipe goes wrong (a module that does not exist, a scheme we do not have,
+    calibration data that does not tokenize) end `seekforge quantize` with one line and no output."""
+    data = tmp_path / "calib.jsonl"
+    data.write_text('{"text": ""}\n')
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text("scheme: w4a16\ngroup_size: 32\ntargets: ['re:.*no_such_proj$']\n")
+    recipe.write_text(recipe_text.replace("DATA", str(data)))
     out = tmp_path / "out"
     result = subprocess.run([sys.executable, "-m", "seekforge", "quantize", "--model", "tiny", "--recipe", str(recipe),
                              "--out", str(out)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
-    assert result.stderr.strip().count("\n") == 0 and "matches no linear module" in result.stderr
+    assert result.stderr.strip().count("\n") == 0 and message in result.stderr
     assert not out.exists()
