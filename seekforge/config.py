@@ -497,7 +497,7 @@ class TrainConfig:
     dist_timeout_s: float = 600.0
     peak_flops: float = 0.0  # FLOP/s for MFU; 0: measure with a matmul probe
     export_hf: bool = True  # write out_dir/hf at the end
-    sample_prompt: str = "The "  # printed generation at the end; "" skips it
+    sample_prompt: str = "Once upon a time"  # printed generation at the end (the stories' opening); "" skips it
     probe: str = ""  # probe config YAML (dump/monitor/trace tables, seekforge/probe/config.py); "" = timing only
 
     def __post_init__(self):
