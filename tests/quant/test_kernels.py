@@ -113,3 +113,22 @@ def test_grouped_int8_experts_equal_the_per_expert_path_and_the_reference(name, 
         start += n
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert (fast.float() - ref.float()).abs().max() <= tol * ref.float().abs().max()
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_int8_mm_is_exact_on_either_path(monkeypatch, exact):
+    """int8_mm sums int8 products exactly whichever path this machine takes: `torch._int_mm` where it
+    is exact (VNNI), the fp32 fallback where `_int_mm` saturates (AVX2). Both paths run here."""
+    from seekforge.quant import kernels
+
+    if exact and not kernels.int_mm_is_exact():
+        pytest.skip("this CPU's torch._int_mm saturates (no VNNI): only the fallback runs here")
+    monkeypatch.setattr(kernels, "int_mm_is_exact", lambda: exact)
+    g = torch.Generator().manual_seed(1)
+    a = torch.randint(-128, 128, (17, 1024), dtype=torch.int8, generator=g)
+    b = torch.randint(-128, 128, (1024, 40), dtype=torch.int8, generator=g)
+    a[0], b[:, 0] = 127, -128  # the extreme products a saturating int16 pair sum gets wrong
+    want = (a.long() @ b.long()).int()
+    assert torch.equal(kernels.int8_mm(a, b), want)
+    out = torch.empty(17, 40, dtype=torch.int32)
+    assert kernels.int8_mm(a, b, out=out) is out and torch.equal(out, want)
