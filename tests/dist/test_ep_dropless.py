@@ -12,7 +12,7 @@ from seekforge.parallel import ep as ep_module
 from seekforge.parallel.ep import apply_ep
 
 TOKENS_PER_RANK, WORLD = 24, 2
-TOL = 1e-6  # fp32; only the order of a few sums differs
+TOL = 1e-5  # fp32; only the order of sums differs (AVX2 kernels sum in another order: 1.7e-6 seen)
 
 
 def skewed_moe(cfg):
@@ -80,7 +80,7 @@ def test_ep_dropless_skewed_router_matches_single_device():
     assert counts[:half].sum() >= 0.75 * counts.sum(), f"router not skewed enough: {counts.tolist()}"
     torch.testing.assert_close(counts, moe.tokens_per_expert)
 
-    close = dict(rtol=0, atol=TOL)
+    close = dict(rtol=TOL, atol=TOL)
     torch.testing.assert_close(torch.cat([r["out"] for r in results]), out.detach(), **close)
     torch.testing.assert_close(torch.cat([r["x_grad"] for r in results]), x.grad, **close)
     torch.testing.assert_close(results[0]["gate_grad"], moe.gate.weight.grad, **close)
