@@ -41,11 +41,17 @@ def _same_weights(a, b) -> None:
         assert torch.equal(ref[name], got[name]), name
 
 
-def test_truncated_latest_resumes_from_previous_with_one_warning(straight, tmp_path, capsys):
+def _copy_with_damaged_latest(straight, tmp_path, damage):
+    """A copy of the finished run whose latest checkpoint (step 6) has one shard damaged → (run, shard)."""
     run = tmp_path / "run"
     shutil.copytree(straight, run)
     shard = next((run / "checkpoints" / "step_000006").glob("*.distcp"))
-    truncate(shard)
+    damage(shard)
+    return run, shard
+
+
+def test_truncated_latest_resumes_from_previous_with_one_warning(straight, tmp_path, capsys):
+    run, shard = _copy_with_damaged_latest(straight, tmp_path, truncate)
     capsys.readouterr()
     main(pretrain_args(run))  # the same command again
     out, err = capsys.readouterr()
@@ -57,10 +63,7 @@ def test_truncated_latest_resumes_from_previous_with_one_warning(straight, tmp_p
 
 
 def test_no_fallback_is_one_clean_error(straight, tmp_path, capsys):
-    run = tmp_path / "run"
-    shutil.copytree(straight, run)
-    shard = next((run / "checkpoints" / "step_000006").glob("*.distcp"))
-    flip_bit(shard)
+    run, shard = _copy_with_damaged_latest(straight, tmp_path, flip_bit)
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:
         main(pretrain_args(run, 6, 2, "--no-checkpoint-fallback"))
