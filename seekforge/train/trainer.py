@@ -1,7 +1,8 @@
 """The pretraining loop on an already-built (and possibly already-parallelized) model.
 
-One optimizer step = `grad_accum` micro-batches of forward (bf16 autocast over fp32 master weights
-where the hardware runs bf16 fast, fp32 elsewhere: model/precision.py) and backward on the objective
+One optimizer step = `grad_accum` micro-batches of forward (bf16 where the hardware runs bf16 fast,
+fp32 elsewhere: model/precision.py; under bf16 the matmul weights are persistent bf16 copies of fp32
+master weights, train/master.py, with autocast casting the activations) and backward on the objective
 of model/loss.py (lm + λ·mtp; each MoE layer adds its balance loss to its own backward), a global
 grad-norm clip, AdamW, the LR schedule, then the aux-loss-free expert-bias update from that step's
 global expert loads.
@@ -42,6 +43,7 @@ from seekforge.probe.training import TrainingProbe
 from seekforge.train.balance import update_expert_bias
 from seekforge.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from seekforge.train.flops import flops_per_token, measure_peak_flops, model_flops_utilization
+from seekforge.train.master import MasterWeights, can_use_master_weights
 from seekforge.train.metrics import MetricsLogger, plot_loss_curve
 from seekforge.train.optim import build_optimizer, clip_grad_norm
 from seekforge.train.watchdog import collective_failure
@@ -105,6 +107,10 @@ class Trainer:
         self.num_devices = dist.get_world_size() if _distributed() else 1
         self.flops_per_token = flops_per_token(model_cfg, cfg.seq_len, with_mtp=cfg.mtp_loss_scale > 0)
         self.compute_dtype, self.dtype_reason = resolve_dtype(cfg.dtype, self.device)
+        # bf16 on one process: persistent bf16 matmul weights over the fp32 masters (train/master.py)
+        # instead of autocast casting every weight each forward; sharded layouts use FSDP2's policy.
+        self.master_weights = (MasterWeights(model) if self.compute_dtype == torch.bfloat16 and self.runner is None
+                               and can_use_master_weights(model) else None)
         # The peak of the dtype the matmuls really run in: a bf16 probe on a CPU without native bf16
         # measures ~1% of what fp32 training reaches (and an MFU of hundreds of percent).
         self.peak_flops = cfg.peak_flops or measure_peak_flops(self.compute_dtype, self.device)
@@ -133,6 +139,10 @@ class Trainer:
             return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
         return nullcontext()
 
+    def _compute_weights(self):
+        """The bf16 matmul weights for one forward + backward (train/master.py), where used."""
+        return self.master_weights.compute() if self.master_weights is not None else nullcontext()
+
     def _next_batch(self) -> dict:
         try:
             batch = next(self._iterator)
@@ -155,7 +165,7 @@ class Trainer:
             if self.runner is not None:  # forward and backward of all pipeline micro-batches
                 parts = self.runner.step(batch["input_ids"], batch["labels"], grad_scale=1 / cfg.grad_accum)
             else:
-                with loss_context(self.tp_mesh):
+                with loss_context(self.tp_mesh), self._compute_weights():
                     with self._autocast():
                         loss, parts = lm_loss(self.model, batch["input_ids"], batch["labels"],
                                               batch.get("positions"), batch.get("segment_ids"), cfg.mtp_loss_scale)
@@ -238,7 +248,7 @@ class Trainer:
             if self.runner is not None:
                 parts = self.runner.evaluate(batch["input_ids"], batch["labels"])
             else:
-                with torch.no_grad(), loss_context(self.tp_mesh), self._autocast():
+                with torch.no_grad(), loss_context(self.tp_mesh), self._compute_weights(), self._autocast():
                     _, parts = lm_loss(self.model, batch["input_ids"], batch["labels"], batch.get("positions"),
                                        batch.get("segment_ids"), mtp_loss_scale=0.0)
             losses.append(plain_tensor(parts["lm_loss"]).float() if parts else torch.zeros((), device=self.device))
