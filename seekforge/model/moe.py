@@ -30,7 +30,45 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(gate) · up (..., I); with `up` None, of the two halves of `gate` (..., 2I), the stacked
+    experts' gate_up output. With autograd it runs as `_SwiGLU`: the same values and gradients."""
+    plain = type(gate) is torch.Tensor and not torch.compiler.is_compiling()  # not a DTensor (TP), not traced
+    if plain and torch.is_grad_enabled() and (gate.requires_grad or (up is not None and up.requires_grad)):
+        return _SwiGLU.apply(gate, up)
+    if up is None:
+        gate, up = gate.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class _SwiGLU(torch.autograd.Function):
+    """`F.silu(gate) * up` with the same ops in the same dtype (so equal bit for bit), in fewer passes
+    and bytes: it saves only its inputs (autograd's version also keeps silu(gate) alive until backward,
+    one (..., I) tensor per layer), and for a packed gate_up (..., 2I) it writes both halves' gradients
+    into one buffer (autograd's chunk backward concatenates them: one more pass over (..., 2I))."""
+
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        ctx.packed = up is None
+        if up is None:
+            gate, up = gate.chunk(2, dim=-1)
+        return F.silu(gate).mul_(up)
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate, up = ctx.saved_tensors
+        if ctx.packed:
+            grad_packed = torch.empty_like(gate, memory_format=torch.contiguous_format)  # (..., 2I)
+            (gate, up), (grad_gate, grad_up) = gate.chunk(2, dim=-1), grad_packed.chunk(2, dim=-1)
+        else:
+            grad_gate, grad_up = torch.empty_like(gate), torch.empty_like(up)
+        torch.mul(grad, F.silu(gate), out=grad_up)
+        torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=grad_gate)
+        return (grad_packed, None) if ctx.packed else (grad_gate, grad_up)
 
 
 class Gate(nn.Module):
@@ -142,8 +180,8 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """x (S, H) sorted by expert → (S, H). parallel/ep.py stores the stacked weights as DTensors
         sharded over experts; the GEMMs run on this rank's experts (the dispatcher brought their tokens)."""
-        gate, up = grouped_mm(x, local_tensor(self.gate_up_proj), num_tokens_per_expert).chunk(2, dim=-1)
-        return grouped_mm(F.silu(gate) * up, local_tensor(self.down_proj), num_tokens_per_expert)
+        gate_up = grouped_mm(x, local_tensor(self.gate_up_proj), num_tokens_per_expert)  # (S, 2I)
+        return grouped_mm(swiglu(gate_up), local_tensor(self.down_proj), num_tokens_per_expert)
 
 
 def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from seekforge.config import preset
 from seekforge.model.model import MLA, document_mask
-from seekforge.model.moe import grouped_mm, grouped_mm_reference
+from seekforge.model.moe import grouped_mm, grouped_mm_reference, swiglu
 
 
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="older torch without _grouped_mm")
@@ -186,3 +186,26 @@ def test_rms_norm_fp32_fused_matches_unfused(autocast):
     for ours, expected in zip(torch.autograd.grad(out, (x, norm.weight), g),
                               torch.autograd.grad(ref, (x, norm.weight), g), strict=True):
         torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("packed", [False, True])
+def test_swiglu_function_matches_autograd(dtype, packed):
+    """model/moe.py's _SwiGLU runs the same elementwise ops in the same dtype as autograd's
+    F.silu(gate) * up (after a chunk, for the experts' packed gate_up): tolerance 0, values and
+    gradients."""
+    gen = torch.Generator().manual_seed(0)
+    gate_up = torch.randn(37, 2 * 24, generator=gen).to(dtype).requires_grad_()
+    grad_out = torch.randn(37, 24, generator=gen).to(dtype)
+
+    def reference(t):
+        gate, up = t.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def ours(t):
+        return swiglu(t) if packed else swiglu(*t.chunk(2, dim=-1))
+
+    out, ref = ours(gate_up), reference(gate_up)
+    (grad,), (ref_grad,) = torch.autograd.grad(out, gate_up, grad_out), torch.autograd.grad(ref, gate_up, grad_out)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    torch.testing.assert_close(grad, ref_grad, rtol=0, atol=0)
