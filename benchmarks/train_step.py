@@ -2,9 +2,12 @@
 
 Same model (the `small` preset: hidden 512, 6 layers, 16 routed experts top-4, 1 shared; MTP off,
 since transformers' DeepseekV3ForCausalLM has no MTP), same weights, same batch (8 × 256 tokens
-of fixed random ids), bf16 autocast over fp32 master weights, fused AdamW + grad-norm clip on both.
-seekforge runs its real Trainer.train_step (which also does the sequence-wise aux loss and the
-aux-loss-free bias update); transformers runs model(input_ids, labels) + the same optimizer.
+of fixed random ids), the auto dtype on both (bf16 on a CPU with native bf16 matmul, fp32 elsewhere),
+fused AdamW + grad-norm clip on both. Under bf16 both compute in bf16 over fp32 master weights:
+seekforge's Trainer keeps persistent bf16 copies of its matmul weights (train/master.py), transformers
+runs under bf16 autocast (its documented mixed-precision recipe). seekforge runs its real
+Trainer.train_step (which also does the sequence-wise aux loss and the aux-loss-free bias update);
+transformers runs model(input_ids, labels) + the same optimizer.
 
 Each contender runs in its own child process, one after another, so the peak RSS (ru_maxrss: the
 child's resident-memory high-water mark, model + optimizer + activations + framework) is its own.
@@ -141,8 +144,10 @@ def main() -> None:
     dtype, peak = machine_header(args.dtype)
     dtype_name = str(dtype).removeprefix("torch.")
     fpt = flops_per_token(cfg, SEQ, with_mtp=False)
-    print(f"train step, preset small (MTP off), batch {BATCH}×{SEQ}, {dtype_name} "
-          f"({'autocast, fp32 master weights' if dtype == torch.bfloat16 else 'fp32'}), {args.threads} threads")
+    precision = ("fp32 master weights: seekforge bf16 weight copies, transformers autocast"
+                 if dtype == torch.bfloat16 else "fp32")
+    print(f"train step, preset small (MTP off), batch {BATCH}×{SEQ}, {dtype_name} ({precision}), "
+          f"{args.threads} threads")
     print(f"model: {fpt / 1e6:.1f} MFLOP/token (6·activated matmul params + attention, see train/flops.py)")
     results = []
     for name in ["seekforge"] + [f"transformers:{v}" for v in args.variants.split(",") if v]:
