@@ -464,7 +464,8 @@ class TrainConfig:
     betas: tuple[float, float] = (0.9, 0.95)
     clip: float = 1.0  # global grad-norm clip; 0 disables
     # "auto": bf16 where the hardware runs it natively (GPU, AVX512-BF16/AMX CPU), else fp32 |
-    # "bf16": autocast with fp32 master weights | "fp32"
+    # "bf16": bf16 compute over fp32 master weights (one process: persistent bf16 matmul weights,
+    # train/master.py; FSDP2: its MixedPrecisionPolicy; activations: autocast) | "fp32"
     dtype: str = "auto"
     mtp_loss_scale: float = 0.3
     aux_loss_coeff: float = 1e-4  # sequence-wise balance loss (DeepSeek-V3 uses a tiny α)
