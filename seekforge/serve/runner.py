@@ -17,7 +17,7 @@ import torch
 
 from seekforge.config import EngineConfig
 from seekforge.model.model import Transformer
-from seekforge.serve.kv_cache import AttentionMetadata, GatherScratch, PagedLatentCache, bytes_per_block
+from seekforge.serve.kv_cache import AttentionMetadata, DenseRows, GatherScratch, PagedLatentCache, bytes_per_block
 from seekforge.serve.lora import LoRAManager
 from seekforge.serve.scheduler import ScheduledBatch
 from seekforge.serve.sequence import Sequence
@@ -99,19 +99,25 @@ class Runner:
         self.block_size = config.block_size
         weight = model.embed_tokens.weight
         self.device = weight.device
-        self.scratch = GatherScratch()  # one set of gather outputs for all layers
+        cfg = model.cfg
+        # the main layers' dense decode rows, in at most as many bytes as their pools (kv_cache.py)
+        per_token = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * weight.element_size() * cfg.num_hidden_layers
+        self.dense_rows = DenseRows(num_blocks * config.block_size * per_token, per_token)
+        self.scratch = GatherScratch(self.dense_rows)  # one set of gather outputs for all layers
 
-        def pool(kv_b_name=None):
-            return PagedLatentCache(model.cfg, num_blocks, config.block_size, weight.dtype, weight.device, kv_b_name,
-                                    int8=config.kv_cache_dtype == "int8", scratch=self.scratch)
+        def pool(kv_b_name=None, layer=0):
+            return PagedLatentCache(cfg, num_blocks, config.block_size, weight.dtype, weight.device, kv_b_name,
+                                    int8=config.kv_cache_dtype == "int8", scratch=self.scratch, layer=layer)
 
-        self.caches = [pool(f"layers.{i}.self_attn.kv_b_proj") for i in range(len(model.layers))]
+        self.caches = [pool(f"layers.{i}.self_attn.kv_b_proj", i) for i in range(len(model.layers))]
         self.mtp_caches = [pool() for _ in model.mtp] if config.speculative_tokens else []
         self.lora: LoRAManager | None = LoRAManager(model) if config.enable_lora else None
 
-    def prepare(self, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    def prepare(self, chunks: list[Chunk], dense: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """→ input ids (1, T), positions (T,), AttentionMetadata, and the flat row of each chunk's first
-        token (in the order given). Decode rows go first (see kv_cache.py)."""
+        token (in the order given). Decode rows go first (see kv_cache.py). `dense`: a step of the main
+        model, whose plain decode rows may read the dense rows (kv_cache.DenseRows)."""
         order = flat_order(chunks)
         bs = self.block_size
         input_ids = [t for c in order for t in c.token_ids]
@@ -149,6 +155,12 @@ class Runner:
             prefill_masks=[torch.ones(len(c.token_ids), c.start + len(c.token_ids), dtype=torch.bool, device=to)
                            .tril(c.start) for c in prefills],
         )
+        if dense:
+            plain = nd and nd == len(decodes) and all(hasattr(c.seq, "seq_id") for c in decodes)
+            if plain:
+                metadata.dense = self.dense_rows.plan([c.seq.seq_id for c in decodes], pos[:nd].tolist(), to)
+            else:
+                self.dense_rows.invalidate()
         self._set_lora(metadata, [c.seq for c in order], [len(c.token_ids) for c in order], nd)
         ids = torch.tensor([input_ids], dtype=torch.long, device=to)
         return ids, pos.to(to), metadata, first_rows(chunks)
@@ -173,7 +185,7 @@ class Runner:
     @torch.inference_mode()
     def forward(self, chunks: list[Chunk]) -> tuple[torch.Tensor, list[int]]:
         """The main model over `chunks` → hidden before the final norm (T, H), first row per chunk."""
-        ids, positions, metadata, rows = self.prepare(chunks)
+        ids, positions, metadata, rows = self.prepare(chunks, dense=True)
         for cache in self.caches:
             cache.metadata = metadata
         try:
@@ -234,6 +246,7 @@ class Runner:
         ids (B,) = draw(logits (B, V)) feed the next step as tensors, and the metadata advances by
         tensor ops, so no per-sequence Python runs between steps. → per step (ids (B,), logits (B, V))."""
         bs, to, b = self.block_size, self.device, len(seqs)
+        self.dense_rows.invalidate()  # these steps write the pool only
         width = max(len(s.block_table) for s in seqs)
         tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], device=to)  # (B, W)
         pos = torch.tensor([s.num_tokens - 1 for s in seqs], device=to)  # (B,) position of the token computed
