@@ -53,6 +53,25 @@ def test_moe_dropless_equals_loop(skew):
         assert counts[5] == 30 and counts[6] == 30
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_token_experts_equal_dispatch(dtype):
+    """Batch-1 decoding's direct path (GroupedExperts.forward_one_token) against the sorted dispatch it
+    skips (the path taken with autograd on), and both against the loop definition."""
+    cfg = preset("tiny")
+    moe = build_model(cfg, dtype=dtype).layers[1].mlp.eval()
+    for seed in range(4):
+        x = torch.randn(1, 1, cfg.hidden_size, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+        with torch.no_grad():
+            assert moe._one_token(x.view(1, -1))
+            fast = moe(x)
+        with torch.enable_grad():
+            assert not moe._one_token(x.view(1, -1))
+            dispatched = moe(x).detach()
+        torch.testing.assert_close(fast, dispatched, rtol=0, atol=0)
+        if dtype == torch.float32:
+            torch.testing.assert_close(fast.view(1, -1), moe_reference(moe, x).detach(), atol=1e-5, rtol=1e-5)
+
+
 def test_bias_selects_but_does_not_weight():
     cfg = preset("tiny")
     moe = build_model(cfg).layers[1].mlp
