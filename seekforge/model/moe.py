@@ -68,7 +68,8 @@ def select_experts(scores: torch.Tensor, bias: torch.Tensor, cfg: ModelConfig) -
             group_scores = grouped.amax(dim=-1)
         top_groups = group_scores.topk(cfg.topk_group, dim=-1, sorted=False).indices
         keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, top_groups, True)
-        choice = choice.masked_fill(~keep.repeat_interleave(e // cfg.n_group, dim=1), float("-inf"))
+        # masked on the grouped view: repeat_interleave of the mask cost as much as the rest of the router
+        choice = grouped.masked_fill(~keep[:, :, None], float("-inf")).view(n, e)
     return choice.topk(cfg.num_experts_per_tok, dim=-1, sorted=False).indices
 
 

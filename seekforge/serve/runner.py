@@ -93,6 +93,21 @@ def prompt_rows(chunks: list[Chunk], rows: list[int]) -> list[tuple[Sequence, sl
     return out
 
 
+def plain_decode_layout(order: list[Chunk], block_size: int):
+    """What Runner._layout computes when every chunk is a one-token decode (every step of steady
+    decoding), from Python lists: a handful of tensor ops instead of ~25, whose fixed cost is most of a
+    batch-1 step's preparation. → positions (B,), slots (B,), block tables (B, width), mask
+    (B, 1, 1, width·L)."""
+    pos = [c.start for c in order]
+    width = -(-(max(pos) + 1) // block_size)
+    tables = [c.seq.block_table[:width] for c in order]
+    slots = [t[p // block_size] * block_size + p % block_size for t, p in zip(tables, pos, strict=True)]
+    positions = torch.tensor(pos)
+    decode_mask = (torch.arange(width * block_size) < positions[:, None] + 1)[:, None, None, :]
+    return (positions, torch.tensor(slots), torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+            decode_mask)
+
+
 class Runner:
     def __init__(self, model: Transformer, config: EngineConfig, num_blocks: int):
         self.model = model
@@ -119,30 +134,15 @@ class Runner:
         token (in the order given). Decode rows go first (see kv_cache.py). `dense`: a step of the main
         model, whose plain decode rows may read the dense rows (kv_cache.DenseRows)."""
         order = flat_order(chunks)
-        bs = self.block_size
+        if all(c.decode and len(c.token_ids) == 1 for c in order):
+            pos, slots, decode_tables, decode_mask = plain_decode_layout(order, self.block_size)
+            nd, decodes, prefills, prefill_tables = len(order), order, [], []
+        else:
+            pos, slots, decode_tables, decode_mask, prefill_tables = self._layout(order)
+            decodes = [c for c in order if c.decode]
+            prefills = order[len(decodes):]
+            nd = sum(len(c.token_ids) for c in decodes)  # decode rows
         input_ids = [t for c in order for t in c.token_ids]
-        flat = len(input_ids)
-        # Vectorized slot mapping: token k of chunk j sits at block_table[j][pos // L] · L + pos % L.
-        tables = [c.seq.block_table for c in order]
-        max_blocks = max(len(t) for t in tables)
-        table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long)  # (C, blocks)
-        lens = torch.tensor([len(c.token_ids) for c in order])
-        starts = torch.tensor([c.start for c in order])
-        chunk_of_token = torch.repeat_interleave(torch.arange(len(order)), lens)  # (T,)
-        offsets = torch.arange(flat) - torch.repeat_interleave(lens.cumsum(0) - lens, lens)
-        pos = starts[chunk_of_token] + offsets  # (T,)
-        slots = table[chunk_of_token, pos // bs] * bs + pos % bs
-        decodes = [c for c in order if c.decode]
-        prefills = order[len(decodes):]
-        nd = sum(len(c.token_ids) for c in decodes)  # decode rows
-        decode_tables = decode_mask = None
-        if nd:
-            context_lens = pos[:nd] + 1  # each row sees the cache up to and including itself
-            width = -(-int(context_lens.max()) // bs)
-            decode_tables = table[chunk_of_token[:nd], :width]  # (Nd, width)
-            decode_mask = (torch.arange(width * bs) < context_lens[:, None])[:, None, None, :]
-        prefill_tables = [table[len(decodes) + i, :-(-(c.start + len(c.token_ids)) // bs)]
-                          for i, c in enumerate(prefills)]
         to = self.device
         metadata = AttentionMetadata(
             slot_mapping=slots.to(to), num_decodes=nd,
@@ -164,6 +164,33 @@ class Runner:
         self._set_lora(metadata, [c.seq for c in order], [len(c.token_ids) for c in order], nd)
         ids = torch.tensor([input_ids], dtype=torch.long, device=to)
         return ids, pos.to(to), metadata, first_rows(chunks)
+
+    def _layout(self, order: list[Chunk]):
+        """Chunks in flat order → positions (T,), slots (T,), decode block tables (Nd, width) and mask
+        (Nd, 1, 1, width·L) (None without decode rows), per prefill chunk its block table."""
+        bs = self.block_size
+        flat = sum(len(c.token_ids) for c in order)
+        # Vectorized slot mapping: token k of chunk j sits at block_table[j][pos // L] · L + pos % L.
+        tables = [c.seq.block_table for c in order]
+        max_blocks = max(len(t) for t in tables)
+        table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long)  # (C, blocks)
+        lens = torch.tensor([len(c.token_ids) for c in order])
+        starts = torch.tensor([c.start for c in order])
+        chunk_of_token = torch.repeat_interleave(torch.arange(len(order)), lens)  # (T,)
+        offsets = torch.arange(flat) - torch.repeat_interleave(lens.cumsum(0) - lens, lens)
+        pos = starts[chunk_of_token] + offsets  # (T,)
+        slots = table[chunk_of_token, pos // bs] * bs + pos % bs
+        num_decodes = sum(c.decode for c in order)
+        nd = sum(len(c.token_ids) for c in order[:num_decodes])  # decode rows
+        decode_tables = decode_mask = None
+        if nd:
+            context_lens = pos[:nd] + 1  # each row sees the cache up to and including itself
+            width = -(-int(context_lens.max()) // bs)
+            decode_tables = table[chunk_of_token[:nd], :width]  # (Nd, width)
+            decode_mask = (torch.arange(width * bs) < context_lens[:, None])[:, None, None, :]
+        prefill_tables = [table[num_decodes + i, :-(-(c.start + len(c.token_ids)) // bs)]
+                          for i, c in enumerate(order[num_decodes:])]
+        return pos, slots, decode_tables, decode_mask, prefill_tables
 
     def _clear_lora(self) -> None:
         if self.lora is not None:
