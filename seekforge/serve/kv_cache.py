@@ -201,13 +201,15 @@ class PagedLatentCache:
         dense = self.scratch.buffers.get(name)
         if step.rebuild:
             if dense is None or dense.shape[0] < nd or dense.shape[1] != step.capacity:
-                # zeros: a shorter row's masked tail is read (probability 0 × value must not be NaN)
-                dense = self.scratch.buffers[name] = torch.zeros(nd, step.capacity, width, dtype=self.dtype,
+                rows = 1 << (nd - 1).bit_length()  # room to grow: a ramping batch reallocates log2(B) times
+                dense = self.scratch.buffers[name] = torch.empty(rows, step.capacity, width, dtype=self.dtype,
                                                                  device=self.c_kv.device)
             tables = md.decode_block_tables.flatten()  # the pool already holds this step's latents
             filled = min(step.capacity, md.decode_block_tables.shape[1] * self.c_kv.shape[1])
             dense[:nd, :filled, :r] = self._read("c_kv", tables).view(nd, -1, r)[:, :filled]
             dense[:nd, :filled, r:] = self._read("k_pe", tables).view(nd, -1, width - r)[:, :filled]
+            # a shorter row's masked tail is read too: finite values there (probability 0 × NaN is NaN)
+            dense[:nd, filled:].zero_()
         else:
             latents = torch.cat([self._as_stored(c_kv, self.c_kv_scale), self._as_stored(k_pe, self.k_pe_scale)], -1)
             dense.view(-1, width).index_copy_(0, step.write_index, latents)
