@@ -190,10 +190,12 @@ class MLA(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal and mask is None,
                                               scale=self.softmax_scale)
 
-    def attend_absorbed(self, q_nope, q_pe, c_kv, k_pe, mask=None, kv_b_weight=None):
+    def attend_absorbed(self, q_nope, q_pe, c_kv, k_pe, mask=None, kv_b_weight=None, latents=None):
         """Same contract as attend_naive, never materializing per-head keys or values. Batched matmuls
         over explicit layouts: torch.einsum's Python front end costs as much as a 512² matmul per call
-        at decode sizes (~30 µs), and this runs once per layer per step."""
+        at decode sizes (~30 µs), and this runs once per layer per step. `latents` (B, S, r + dr): c_kv
+        and k_pe side by side in one tensor (they are its views), when the caller has them so; the scores
+        are then one batched matmul over it (at 64 decode rows ~25% faster than the two)."""
         w_uk, w_uv = self.kv_b_weights(kv_b_weight)  # (nh, dn, r), (nh, dv, r)
         b, t, nh, dn = q_nope.shape
         s, r = c_kv.shape[1], c_kv.shape[2]
@@ -201,7 +203,10 @@ class MLA(nn.Module):
         q_latent = torch.bmm(q, w_uk)  # (nh, B·T, r)
         q_latent = q_latent.view(nh, b, t, r).transpose(0, 1).reshape(b, nh * t, r)  # rows (head, query)
         q_rope = q_pe.transpose(1, 2).reshape(b, nh * t, -1)  # (B, nh·T, dr)
-        scores = torch.baddbmm(torch.bmm(q_rope, k_pe.transpose(1, 2)), q_latent, c_kv.transpose(1, 2))
+        if latents is None:
+            scores = torch.baddbmm(torch.bmm(q_rope, k_pe.transpose(1, 2)), q_latent, c_kv.transpose(1, 2))
+        else:
+            scores = torch.bmm(torch.cat([q_latent, q_rope], dim=-1), latents.transpose(1, 2))  # (B, nh·T, S)
         scores = scores.view(b, nh, t, s).float() * self.softmax_scale  # (B, nh, T, S)
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))

@@ -161,8 +161,10 @@ class PagedLatentCache:
         outs = []
         nd = md.num_decodes
         if nd:
+            latents = None
             if md.dense is not None:
-                ctx_c_kv, ctx_k_pe = self._dense(md, nd, c_kv[0, :nd], k_pe[0, :nd])  # (Nd, Sd, r), (Nd, Sd, dr)
+                latents = self._dense(md, nd, c_kv[0, :nd], k_pe[0, :nd])  # (Nd, Sd, r + dr)
+                ctx_c_kv, ctx_k_pe = latents[..., :r], latents[..., r:]
                 mask = md.decode_mask[..., :md.dense.context_len]
             else:
                 tables = md.decode_block_tables
@@ -170,7 +172,7 @@ class PagedLatentCache:
                 ctx_k_pe = self._read("k_pe", tables.flatten()).view(nd, -1, dr)  # (Nd, Sd, dr)
                 mask = md.decode_mask
             out = attn.attend_absorbed(q_nope[0, :nd, None], q_pe[0, :nd, None], ctx_c_kv, ctx_k_pe,
-                                       mask=mask)  # (Nd, 1, nh·dv)
+                                       mask=mask, latents=latents)  # (Nd, 1, nh·dv)
             if md.decode_adapter is not None and self.kv_b_name is not None:
                 # rows of adapters with a LoRA on kv_b_proj: absorbed again with the merged weight
                 for rows, weight in md.lora.kv_b_groups(attn.kv_b_proj, self.kv_b_name, md.decode_adapter):
@@ -194,7 +196,7 @@ class PagedLatentCache:
 
     def _dense(self, md: AttentionMetadata, nd: int, c_kv: torch.Tensor, k_pe: torch.Tensor):
         """This layer's dense decode rows (see DenseRows) after this step: c_kv (Nd, r), k_pe (Nd, dr) are
-        the step's latents → views (Nd, Sd, r), (Nd, Sd, dr) of the rows, row stride capacity·(r + dr)."""
+        the step's latents → a view (Nd, Sd, r + dr) of the rows ([c_kv | k_pe]), row stride capacity·(r + dr)."""
         step, r = md.dense, self.c_kv.shape[-1]
         width = r + self.k_pe.shape[-1]
         name = f"dense{self.layer}"
@@ -213,8 +215,7 @@ class PagedLatentCache:
         else:
             latents = torch.cat([self._as_stored(c_kv, self.c_kv_scale), self._as_stored(k_pe, self.k_pe_scale)], -1)
             dense.view(-1, width).index_copy_(0, step.write_index, latents)
-        rows = dense[:nd, :step.context_len]  # (Nd, Sd, r + dr)
-        return rows[..., :r], rows[..., r:]
+        return dense[:nd, :step.context_len]
 
     def _as_stored(self, x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
         """x (T, ·) as a read of the pool returns it: int8 pools round it through int8 (as _read does)."""

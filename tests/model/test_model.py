@@ -178,6 +178,11 @@ def test_absorbed_decode_equals_naive(overrides):
     mask = torch.ones(3, 9, dtype=torch.bool).tril(6)
     torch.testing.assert_close(attn.attend_absorbed(q_nope, q_pe, c_kv, k_pe, mask),
                                attn.attend_naive(q_nope, q_pe, c_kv, k_pe, mask), atol=1e-5, rtol=1e-5)
+    latents = torch.cat([c_kv, k_pe], dim=-1)  # the scores as one matmul over both (serving's dense rows)
+    r = cfg.kv_lora_rank
+    torch.testing.assert_close(attn.attend_absorbed(q_nope, q_pe, latents[..., :r], latents[..., r:], mask,
+                                                    latents=latents),
+                               attn.attend_absorbed(q_nope, q_pe, c_kv, k_pe, mask), atol=1e-5, rtol=1e-5)
 
 
 def test_packed_documents_equal_separate_runs():
