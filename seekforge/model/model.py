@@ -101,6 +101,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
 
 
 # ---------------------------------------------------------------------------------------- MLA
+LATENT_CHUNK_BYTES = 1 << 20  # absorbed attention's latents per chunk of sequences: fits a core's L2
+
+
 class MLA(nn.Module):
     """Multi-head Latent Attention (DeepSeek-V2 §2.1).
 
@@ -203,15 +206,28 @@ class MLA(nn.Module):
         q_latent = torch.bmm(q, w_uk)  # (nh, B·T, r)
         q_latent = q_latent.view(nh, b, t, r).transpose(0, 1).reshape(b, nh * t, r)  # rows (head, query)
         q_rope = q_pe.transpose(1, 2).reshape(b, nh * t, -1)  # (B, nh·T, dr)
-        if latents is None:
-            scores = torch.baddbmm(torch.bmm(q_rope, k_pe.transpose(1, 2)), q_latent, c_kv.transpose(1, 2))
-        else:
-            scores = torch.bmm(torch.cat([q_latent, q_rope], dim=-1), latents.transpose(1, 2))  # (B, nh·T, S)
-        scores = scores.view(b, nh, t, s).float() * self.softmax_scale  # (B, nh, T, S)
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        probs = scores.softmax(dim=-1).to(c_kv.dtype)
-        out_latent = torch.bmm(probs.view(b, nh * t, s), c_kv)  # (B, nh·T, r)
+        if latents is not None:
+            q_latent = torch.cat([q_latent, q_rope], dim=-1)  # (B, nh·T, r + dr) against [c_kv | k_pe]
+        # The scores and the output each read the whole context; taken a few sequences at a time, the
+        # output's read finds the latents the scores just read still in L2 instead of memory: a whole
+        # decode step of 64 rows × ~170 tokens (fp32, 1 thread) 6-10% faster than one chunk, with 1 MiB
+        # chunks (256 KiB-2 MiB within noise of it).
+        rows = max(1, LATENT_CHUNK_BYTES // max(1, s * (r + k_pe.shape[-1]) * c_kv.element_size()))
+        out_latent = []
+        for i in range(0, b, rows):
+            chunk = slice(i, i + rows)
+            if latents is None:
+                scores = torch.baddbmm(torch.bmm(q_rope[chunk], k_pe[chunk].transpose(1, 2)), q_latent[chunk],
+                                       c_kv[chunk].transpose(1, 2))
+            else:
+                scores = torch.bmm(q_latent[chunk], latents[chunk].transpose(1, 2))  # (rows, nh·T, S)
+            scores = scores.view(-1, nh, t, s).float() * self.softmax_scale  # (rows, nh, T, S)
+            if mask is not None:
+                scores = scores.masked_fill(~(mask[chunk] if mask.dim() == 4 and mask.shape[0] > 1 else mask),
+                                            float("-inf"))
+            probs = scores.softmax(dim=-1).to(c_kv.dtype)
+            out_latent.append(torch.bmm(probs.view(-1, nh * t, s), c_kv[chunk]))  # (rows, nh·T, r)
+        out_latent = out_latent[0] if len(out_latent) == 1 else torch.cat(out_latent)  # (B, nh·T, r)
         out_latent = out_latent.view(b, nh, t, r).transpose(0, 1).reshape(nh, b * t, r)
         out = torch.bmm(out_latent, w_uv.transpose(1, 2))  # (nh, B·T, dv)
         return out.view(nh, b, t, -1).permute(1, 2, 0, 3).reshape(b, t, -1)  # (B, T, nh·dv)
