@@ -185,6 +185,29 @@ def test_absorbed_decode_equals_naive(overrides):
                                attn.attend_absorbed(q_nope, q_pe, c_kv, k_pe, mask), atol=1e-5, rtol=1e-5)
 
 
+def test_absorbed_in_chunks_of_sequences_equals_one_chunk(monkeypatch):
+    """attend_absorbed's loop over chunks of sequences (one per chunk here) against a single chunk, with
+    a per-sequence padding mask as serving's decode rows have, for both ways of computing the scores."""
+    import seekforge.model.model as model_module
+
+    cfg = preset("tiny")
+    attn = build_model(cfg).layers[0].self_attn
+    gen = torch.Generator().manual_seed(0)
+    b, nh, r, dr = 5, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    q_nope = torch.randn(b, 1, nh, cfg.qk_nope_head_dim, generator=gen)
+    q_pe = torch.randn(b, 1, nh, dr, generator=gen)
+    latents = torch.randn(b, 11, r + dr, generator=gen)
+    mask = (torch.arange(11) < torch.tensor([3, 11, 7, 1, 9])[:, None])[:, None, None, :]  # (B, 1, 1, S)
+    with torch.no_grad():
+        for with_latents in (False, True):
+            args = (q_nope, q_pe, latents[..., :r], latents[..., r:], mask, None, latents if with_latents else None)
+            one = attn.attend_absorbed(*args)
+            monkeypatch.setattr(model_module, "LATENT_CHUNK_BYTES", 1)  # one sequence per chunk
+            chunked = attn.attend_absorbed(*args)
+            monkeypatch.undo()
+            torch.testing.assert_close(chunked, one, rtol=1e-6, atol=1e-6)
+
+
 def test_packed_documents_equal_separate_runs():
     cfg = preset("tiny")
     model = build_model(cfg).eval()
