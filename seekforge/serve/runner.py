@@ -156,8 +156,7 @@ class Runner:
                            .tril(c.start) for c in prefills],
         )
         if dense:
-            plain = nd and nd == len(decodes) and all(hasattr(c.seq, "seq_id") for c in decodes)
-            if plain:
+            if nd and nd == len(decodes):  # every decode row a plain one-token decode
                 metadata.dense = self.dense_rows.plan([c.seq.seq_id for c in decodes], pos[:nd].tolist(), to)
             else:
                 self.dense_rows.invalidate()
