@@ -115,9 +115,11 @@ class Runner:
         weight = model.embed_tokens.weight
         self.device = weight.device
         cfg = model.cfg
-        # the main layers' dense decode rows, in at most as many bytes as their pools (kv_cache.py)
+        # the main layers' dense decode rows (kv_cache.py), in the attention dtype, in at most as many
+        # bytes as their pools
+        pool_dtype = torch.int8 if config.kv_cache_dtype == "int8" else weight.dtype
         per_token = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * weight.element_size() * cfg.num_hidden_layers
-        self.dense_rows = DenseRows(num_blocks * config.block_size * per_token, per_token)
+        self.dense_rows = DenseRows(num_blocks * bytes_per_block(cfg, config.block_size, pool_dtype), per_token)
         self.scratch = GatherScratch(self.dense_rows)  # one set of gather outputs for all layers
 
         def pool(kv_b_name=None, layer=0):
