@@ -60,6 +60,7 @@ class DenseStep:
     """A step whose decode rows are the dense rows 0 … Nd-1 (see DenseRows)."""
 
     rebuild: bool  # True: refill the dense rows from the pool (after this step's writes to it)
+    rows: int  # rows to allocate when the tensor is too small (≥ Nd: room for a growing batch)
     capacity: int  # tokens per dense row
     context_len: int  # Sd: the longest decode context this step (rows read [0, Sd), the mask hides the rest)
     write_index: torch.Tensor | None  # (Nd,) int64 row · capacity + position: where this step's latents go
@@ -73,14 +74,14 @@ class DenseRows:
     never holds a latent the pool does not (a preempted sequence's recomputed latents included)."""
 
     def __init__(self, budget_bytes: int, bytes_per_token: int):
-        self.budget_bytes = budget_bytes  # all layers' dense rows together (the pool's size: at most 2x)
+        self.budget_bytes = budget_bytes  # all layers' dense rows together (the runner: its pools' bytes)
         self.bytes_per_token = bytes_per_token  # one token's latents, all layers
         self.invalidate()
 
     def invalidate(self) -> None:
         self.seq_ids: list[int] = []
         self.lengths: list[int] = []
-        self.capacity = 0
+        self.capacity = self.rows = 0
 
     def plan(self, seq_ids: list[int], positions: list[int], device) -> DenseStep | None:
         """The step's decode rows (sequence ids, position of each row's token) → a DenseStep, or None when
@@ -94,11 +95,15 @@ class DenseRows:
                 self.invalidate()
                 return None
             self.seq_ids, self.capacity = list(seq_ids), capacity
+            # rows to allocate: a power of two, so that a ramping batch reallocates log2(B) times
+            fit = self.budget_bytes // (capacity * self.bytes_per_token)
+            self.rows = max(len(seq_ids), min(1 << (len(seq_ids) - 1).bit_length(), fit))
         self.lengths = [p + 1 for p in positions]
         write_index = None
         if keep:
             write_index = torch.tensor([row * self.capacity + p for row, p in enumerate(positions)], device=device)
-        return DenseStep(rebuild=not keep, capacity=self.capacity, context_len=context_len, write_index=write_index)
+        return DenseStep(rebuild=not keep, rows=self.rows, capacity=self.capacity, context_len=context_len,
+                         write_index=write_index)
 
 
 class GatherScratch:
@@ -203,8 +208,7 @@ class PagedLatentCache:
         dense = self.scratch.buffers.get(name)
         if step.rebuild:
             if dense is None or dense.shape[0] < nd or dense.shape[1] != step.capacity:
-                rows = 1 << (nd - 1).bit_length()  # room to grow: a ramping batch reallocates log2(B) times
-                dense = self.scratch.buffers[name] = torch.empty(rows, step.capacity, width, dtype=self.dtype,
+                dense = self.scratch.buffers[name] = torch.empty(step.rows, step.capacity, width, dtype=self.dtype,
                                                                  device=self.c_kv.device)
             tables = md.decode_block_tables.flatten()  # the pool already holds this step's latents
             filled = min(step.capacity, md.decode_block_tables.shape[1] * self.c_kv.shape[1])

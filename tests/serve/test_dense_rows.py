@@ -11,7 +11,7 @@ from seekforge.serve.sequence import SamplingParams
 def test_plan_keeps_rows_only_for_the_same_sequences_one_token_further():
     rows = DenseRows(budget_bytes=10**9, bytes_per_token=10)
     first = rows.plan([4, 7], [9, 20], "cpu")
-    assert first.rebuild and first.capacity == 256 and first.context_len == 21
+    assert first.rebuild and first.capacity == 256 and first.context_len == 21 and first.rows == 2
     step = rows.plan([4, 7], [10, 21], "cpu")
     assert not step.rebuild and step.write_index.tolist() == [10, 256 + 21]
     assert rows.plan([7, 4], [22, 11], "cpu").rebuild  # another order: other rows
@@ -19,6 +19,8 @@ def test_plan_keeps_rows_only_for_the_same_sequences_one_token_further():
     rows.invalidate()
     assert rows.plan([7, 4], [25, 13], "cpu").rebuild
     assert rows.plan([7, 4], [26, 230], "cpu").capacity == 384  # grows with headroom: a rebuild
+    assert rows.plan([1, 2, 3], [5, 5, 5], "cpu").rows == 4  # room to grow: a power of two
+    assert DenseRows(budget_bytes=3 * 256 * 10, bytes_per_token=10).plan([1, 2, 3], [5, 5, 5], "cpu").rows == 3
     assert DenseRows(budget_bytes=100, bytes_per_token=10).plan([1], [9], "cpu") is None  # over budget
 
 
