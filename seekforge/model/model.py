@@ -101,7 +101,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
 
 
 # ---------------------------------------------------------------------------------------- MLA
-LATENT_CHUNK_BYTES = 1 << 20  # absorbed attention's latents per chunk of sequences: fits a core's L2
+LATENT_CHUNK_BYTES = 1 << 20  # absorbed attention's latents per chunk of sequences and thread: fits a core's L2
 
 
 class MLA(nn.Module):
@@ -211,8 +211,10 @@ class MLA(nn.Module):
         # The scores and the output each read the whole context; taken a few sequences at a time, the
         # output's read finds the latents the scores just read still in L2 instead of memory: a whole
         # decode step of 64 rows × ~170 tokens (fp32, 1 thread) 6-10% faster than one chunk, with 1 MiB
-        # chunks (256 KiB-2 MiB within noise of it).
-        rows = max(1, LATENT_CHUNK_BYTES // max(1, s * (r + k_pe.shape[-1]) * c_kv.element_size()))
+        # chunks (256 KiB-2 MiB within noise of it; 2 threads not measured: the machine was loaded).
+        # (per thread: each core has its own L2, and a bmm splits its batch across the threads)
+        chunk_bytes = LATENT_CHUNK_BYTES * torch.get_num_threads()
+        rows = max(1, chunk_bytes // max(1, s * (r + k_pe.shape[-1]) * c_kv.element_size()))
         out_latent = []
         for i in range(0, b, rows):
             chunk = slice(i, i + rows)
