@@ -23,8 +23,8 @@ Dense decode rows (`DenseRows`): gathering every decode row's blocks copies the 
 of every layer each step (64 rows × 192 tokens × 512 fp32 latents: 4.3 ms a layer, as long as the
 attention's two batched matmuls over it together). While the same sequences decode step after step
 (plain one-token decodes), each layer instead keeps their latents in a dense (rows, capacity, r + dr)
-tensor, gathered from the pool once when the set of sequences changes, appended to in place every
-step after, and attention reads it as a view. The pool is written as always (it stays the source of
+tensor, gathered from the pool once on the second step of the same decoding set, appended to in place
+every step after, and attention reads it as a view. The pool is written as always (it stays the source of
 truth: prefix caching, preemption, spec decode and multi-step read it).
 """
 
@@ -67,11 +67,13 @@ class DenseStep:
 
 
 class DenseRows:
-    """Which sequence owns which dense decode row (the same in every layer), and when the rows must be
-    rebuilt from the pool. They are valid only while consecutive steps decode exactly the same
-    sequences, in the same order, one token each, through `plan`: anything else (a prefill-only step,
-    a speculative verify, multi-step decoding, a set change) makes the next plan rebuild, so a dense row
-    never holds a latent the pool does not (a preempted sequence's recomputed latents included)."""
+    """Which sequence owns which dense decode row (the same in every layer), and when the rows are built
+    from the pool. A step's plain decode rows use them once the previous step decoded exactly the same
+    sequences, in the same order, one token each (the first such step builds them, the ones after append
+    to them): a decoding set that changes every step (arrivals, finishes) keeps to the gather instead of
+    paying a build each step. Anything else between two plans (a prefill-only step, a speculative verify,
+    multi-step decoding: `invalidate`) starts over, so a dense row never holds a latent the pool does not
+    (a preempted sequence's recomputed latents included)."""
 
     def __init__(self, budget_bytes: int, bytes_per_token: int):
         self.budget_bytes = budget_bytes  # all layers' dense rows together (the runner: its pools' bytes)
@@ -79,31 +81,33 @@ class DenseRows:
         self.invalidate()
 
     def invalidate(self) -> None:
-        self.seq_ids: list[int] = []
-        self.lengths: list[int] = []
+        self.seq_ids: list[int] = []  # the last planned step's decode rows
+        self.lengths: list[int] = []  # and the tokens each has after it
+        self.built = False  # do the dense rows hold them?
         self.capacity = self.rows = 0
 
     def plan(self, seq_ids: list[int], positions: list[int], device) -> DenseStep | None:
         """The step's decode rows (sequence ids, position of each row's token) → a DenseStep, or None when
-        the rows would not fit the budget (then the step gathers, and the rows are invalid)."""
+        this step gathers (a new decoding set, or rows over the budget)."""
         context_len = max(positions) + 1
-        keep = (seq_ids == self.seq_ids and positions == self.lengths and context_len <= self.capacity)
-        if not keep:
-            # headroom of 128 tokens: growing the capacity costs a rebuild (one gather)
-            capacity = max(self.capacity, -(-(context_len + 128) // 128) * 128)
-            if len(seq_ids) * capacity * self.bytes_per_token > self.budget_bytes:
-                self.invalidate()
-                return None
-            self.seq_ids, self.capacity = list(seq_ids), capacity
-            # rows to allocate: a power of two, so that a ramping batch reallocates log2(B) times
-            fit = self.budget_bytes // (capacity * self.bytes_per_token)
-            self.rows = max(len(seq_ids), min(1 << (len(seq_ids) - 1).bit_length(), fit))
-        self.lengths = [p + 1 for p in positions]
-        write_index = None
-        if keep:
+        continues = seq_ids == self.seq_ids and positions == self.lengths
+        self.seq_ids, self.lengths = list(seq_ids), [p + 1 for p in positions]
+        if continues and self.built and context_len <= self.capacity:
             write_index = torch.tensor([row * self.capacity + p for row, p in enumerate(positions)], device=device)
-        return DenseStep(rebuild=not keep, rows=self.rows, capacity=self.capacity, context_len=context_len,
-                         write_index=write_index)
+            return DenseStep(rebuild=False, rows=self.rows, capacity=self.capacity, context_len=context_len,
+                             write_index=write_index)
+        self.built = False
+        if not continues:
+            return None
+        # headroom of 128 tokens: growing the capacity costs a rebuild (one gather)
+        capacity = max(self.capacity, -(-(context_len + 128) // 128) * 128)
+        if len(seq_ids) * capacity * self.bytes_per_token > self.budget_bytes:
+            return None
+        # rows to allocate: a power of two, so that a ramping batch reallocates log2(B) times
+        fit = self.budget_bytes // (capacity * self.bytes_per_token)
+        self.rows = max(len(seq_ids), min(1 << (len(seq_ids) - 1).bit_length(), fit))
+        self.capacity, self.built = capacity, True
+        return DenseStep(rebuild=True, rows=self.rows, capacity=capacity, context_len=context_len, write_index=None)
 
 
 class GatherScratch:
