@@ -30,12 +30,19 @@ class ArithmeticTask:
     `sample(rng)` → (prompt, answer): prompt ends with "A:" and the answer is the integer as text;
     the model's completion is graded by `check_answer`. `document(rng)` is prompt + worked solution,
     the pretraining text.
+
+    `slip_share` makes the documents imitate a corpus with mistakes: that share of the level-1 answers
+    whose units carry (or borrow) is dropped, the commonest slip in written arithmetic ("47 + 38 = 75",
+    "52 - 37 = 25"), is printed with the slip. `sample` and `check_answer` always use the true answer.
     """
 
-    def __init__(self, seed: int = 0, levels: tuple[int, ...] = (1, 2, 3)):
+    def __init__(self, seed: int = 0, levels: tuple[int, ...] = (1, 2, 3), slip_share: float = 0.0):
         if not levels or not set(levels) <= {1, 2, 3}:
             raise ValueError(f"levels={levels}; pick a non-empty subset of (1, 2, 3)")
+        if not 0 <= slip_share <= 1:
+            raise ValueError(f"slip_share={slip_share}; pick a share in [0, 1]")
         self.levels = tuple(levels)
+        self.slip_share = slip_share
         self.rng = random.Random(seed)
 
     def sample(self, rng: random.Random | None = None) -> tuple[str, str]:
@@ -43,7 +50,10 @@ class ArithmeticTask:
         return f"Q: {question} = ? A:", str(answer)
 
     def document(self, rng: random.Random | None = None) -> str:
-        question, steps, answer = self._problem(rng or self.rng)
+        rng = rng or self.rng
+        question, steps, answer = self._problem(rng)
+        if self.slip_share and not steps and rng.random() < self.slip_share:
+            answer = dropped_carry(question)
         solution = f"{'; '.join(steps)}. The answer is {answer}." if steps else str(answer)
         return f"Q: {question} = ? A: {solution}"
 
@@ -69,6 +79,17 @@ class ArithmeticTask:
         answer = _apply(inner, outer_op, c)
         steps = [f"{a} {inner_op} {b} = {inner}", f"{inner} {outer_op} {c} = {answer}"]
         return f"({a} {inner_op} {b}) {outer_op} {c}", steps, answer
+
+
+def dropped_carry(question: str) -> int:
+    """The answer to a level-1 question ("47 + 38") with the units carry or borrow dropped: 47 + 38 → 75,
+    52 - 37 → 25, 37 - 52 → -25; a question without one keeps its true answer."""
+    a, op, b = question.split()
+    a, b = int(a), int(b)
+    if op == "+":
+        return a + b - 10 * (a % 10 + b % 10 >= 10)
+    big, small, sign = (a, b, 1) if a >= b else (b, a, -1)
+    return sign * (big - small + 10 * (big % 10 < small % 10))
 
 
 def _apply(a: int, op: str, b: int) -> int:

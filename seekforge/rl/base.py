@@ -2,6 +2,11 @@
 that `seekforge grpo` with no arguments has a policy that answers the task's questions right only
 sometimes — the regime where GRPO has something to reinforce.
 
+With GRPOConfig.base_slip_share its corpus imitates one with mistakes (most carried answers drop the
+carry), so a base that has learned the task knows both the right way and the slip and greedily answers
+carried questions with the slip: the capability is in the base, its preference is wrong, and the reward
+has something quick to move.
+
 It runs train/'s Trainer unchanged on a stream of the task's documents (each followed by the
 end-of-document token, as data/dataset builds the built-in corpora) and exports the weights as an HF
 checkpoint that the GRPO run (and a resumed one, for its reference model) loads.
@@ -27,8 +32,8 @@ class TaskWindows:
     held-out accuracy must measure questions no phase trained on (level 2 has only ~950 distinct ones)."""
 
     def __init__(self, tokenizer, levels: list[int], seq_len: int, num_windows: int, seed: int,
-                 held_out: frozenset[str] = frozenset()):
-        task, rng = ArithmeticTask(seed, tuple(levels)), random.Random(f"base-{seed}")
+                 held_out: frozenset[str] = frozenset(), slip_share: float = 0.0):
+        task, rng = ArithmeticTask(seed, tuple(levels), slip_share), random.Random(f"base-{seed}")
         stream: list[int] = []
         while len(stream) < num_windows * seq_len + 1:
             document = task.document(rng)
@@ -71,7 +76,7 @@ def prepare_base(cfg: GRPOConfig, tokenizer, out_dir: Path, progress: bool = Tru
     model = build_model(train_cfg.model_config(), seed=cfg.seed)
     held_out = frozenset(prompt for prompt, _ in PromptStream(cfg.task_levels, cfg.seed, cfg.eval_prompts).eval_set)
     windows = TaskWindows(tokenizer, cfg.task_levels, train_cfg.seq_len,
-                          train_cfg.steps * train_cfg.micro_batch_size, cfg.seed, held_out)
+                          train_cfg.steps * train_cfg.micro_batch_size, cfg.seed, held_out, cfg.base_slip_share)
     trainer = Trainer(train_cfg, model, BatchLoader(windows, train_cfg.micro_batch_size, cfg.seed), out_dir=out_dir)
     while trainer.step < train_cfg.steps:
         trainer.fit(stop_at=trainer.step + cfg.base_check_interval)

@@ -71,6 +71,12 @@ class GRPOConfig:
     base_lr: float = 3e-3
     base_check_interval: int = 100
     base_target_accuracy: float = 0.3
+    # > 0: the base's corpus imitates one with mistakes: this share of the carried (borrowed) answers drop
+    # the carry (data/corpora.dropped_carry), so a base that has learned the task knows both ways and
+    # greedily answers carried questions with the slip; GRPO's reward then has a wrong preference to fix
+    # (+24 points in 150 steps from such a base). Off by default: the slips also slow the base's learning
+    # of the units digit, past 3,000 steps for some data orders (BENCHMARKS.md, GRPO).
+    base_slip_share: float = 0.0
 
     def __post_init__(self):
         self.validate()
@@ -94,6 +100,8 @@ class GRPOConfig:
                 bad(key, "must be >= 0")
         if self.clip_low >= 1:
             bad("clip_low", "must be < 1 (the ratio's lower bound is 1 - clip_low)")
+        if not 0 <= self.base_slip_share <= 1:
+            bad("base_slip_share", "must be in [0, 1]")
         if not 0 < self.base_target_accuracy <= 1:
             bad("base_target_accuracy", "must be in (0, 1]")
         if self.temperature <= 0:

@@ -60,6 +60,7 @@ class _BlockTable:
     """What Runner.prepare reads of a chunk's sequence, for a TP rank that holds no Sequence objects."""
 
     block_table: list[int]
+    seq_id: int  # the leader's: the dense decode rows (kv_cache.DenseRows) follow it on every rank
     lora: None = None
 
 
@@ -81,7 +82,8 @@ class ShardedRunner(Runner):
 
     def execute(self, chunks: list[Chunk], head_rows: list[int]) -> torch.Tensor:
         self.ran = True
-        self._announce(("run", [(c.start, c.token_ids, list(c.seq.block_table), c.decode) for c in chunks], head_rows))
+        self._announce(("run", [(c.start, c.token_ids, list(c.seq.block_table), c.seq.seq_id, c.decode)
+                                for c in chunks], head_rows))
         return super().execute(chunks, head_rows)
 
     def idle(self) -> None:
@@ -97,7 +99,7 @@ class ShardedRunner(Runner):
             self._dummy_forward()
             return
         _, plan, head_rows = message
-        chunks = [Chunk(_BlockTable(table), start, ids, decode) for start, ids, table, decode in plan]
+        chunks = [Chunk(_BlockTable(table, seq_id), start, ids, decode) for start, ids, table, seq_id, decode in plan]
         super().execute(chunks, head_rows)
 
     @torch.inference_mode()

@@ -17,7 +17,7 @@ import torch
 
 from seekforge.config import EngineConfig
 from seekforge.model.model import Transformer
-from seekforge.serve.kv_cache import AttentionMetadata, GatherScratch, PagedLatentCache, bytes_per_block
+from seekforge.serve.kv_cache import AttentionMetadata, DenseRows, GatherScratch, PagedLatentCache, bytes_per_block
 from seekforge.serve.lora import LoRAManager
 from seekforge.serve.scheduler import ScheduledBatch
 from seekforge.serve.sequence import Sequence
@@ -93,50 +93,58 @@ def prompt_rows(chunks: list[Chunk], rows: list[int]) -> list[tuple[Sequence, sl
     return out
 
 
+def plain_decode_layout(order: list[Chunk], block_size: int):
+    """What Runner._layout computes when every chunk is a one-token decode (every step of steady
+    decoding), from Python lists: a handful of tensor ops instead of ~25, whose fixed cost is most of a
+    batch-1 step's preparation. → positions (B,), slots (B,), block tables (B, width), mask
+    (B, 1, 1, width·L)."""
+    pos = [c.start for c in order]
+    width = -(-(max(pos) + 1) // block_size)
+    tables = [c.seq.block_table[:width] for c in order]
+    slots = [t[p // block_size] * block_size + p % block_size for t, p in zip(tables, pos, strict=True)]
+    positions = torch.tensor(pos)
+    decode_mask = (torch.arange(width * block_size) < positions[:, None] + 1)[:, None, None, :]
+    return (positions, torch.tensor(slots), torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+            decode_mask)
+
+
 class Runner:
     def __init__(self, model: Transformer, config: EngineConfig, num_blocks: int):
         self.model = model
         self.block_size = config.block_size
         weight = model.embed_tokens.weight
         self.device = weight.device
-        self.scratch = GatherScratch()  # one set of gather outputs for all layers
+        cfg = model.cfg
+        # the main layers' dense decode rows (kv_cache.py), in the attention dtype, in at most as many
+        # bytes as their pools
+        pool_dtype = torch.int8 if config.kv_cache_dtype == "int8" else weight.dtype
+        per_token = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * weight.element_size() * cfg.num_hidden_layers
+        self.dense_rows = DenseRows(num_blocks * bytes_per_block(cfg, config.block_size, pool_dtype), per_token)
+        self.scratch = GatherScratch(self.dense_rows)  # one set of gather outputs for all layers
 
-        def pool(kv_b_name=None):
-            return PagedLatentCache(model.cfg, num_blocks, config.block_size, weight.dtype, weight.device, kv_b_name,
-                                    int8=config.kv_cache_dtype == "int8", scratch=self.scratch)
+        def pool(kv_b_name=None, layer=0):
+            return PagedLatentCache(cfg, num_blocks, config.block_size, weight.dtype, weight.device, kv_b_name,
+                                    int8=config.kv_cache_dtype == "int8", scratch=self.scratch, layer=layer)
 
-        self.caches = [pool(f"layers.{i}.self_attn.kv_b_proj") for i in range(len(model.layers))]
+        self.caches = [pool(f"layers.{i}.self_attn.kv_b_proj", i) for i in range(len(model.layers))]
         self.mtp_caches = [pool() for _ in model.mtp] if config.speculative_tokens else []
         self.lora: LoRAManager | None = LoRAManager(model) if config.enable_lora else None
 
-    def prepare(self, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    def prepare(self, chunks: list[Chunk], dense: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """→ input ids (1, T), positions (T,), AttentionMetadata, and the flat row of each chunk's first
-        token (in the order given). Decode rows go first (see kv_cache.py)."""
+        token (in the order given). Decode rows go first (see kv_cache.py). `dense`: a step of the main
+        model, whose plain decode rows may read the dense rows (kv_cache.DenseRows)."""
         order = flat_order(chunks)
-        bs = self.block_size
+        if all(c.decode and len(c.token_ids) == 1 for c in order):
+            pos, slots, decode_tables, decode_mask = plain_decode_layout(order, self.block_size)
+            nd, decodes, prefills, prefill_tables = len(order), order, [], []
+        else:
+            pos, slots, decode_tables, decode_mask, prefill_tables = self._layout(order)
+            decodes = [c for c in order if c.decode]
+            prefills = order[len(decodes):]
+            nd = sum(len(c.token_ids) for c in decodes)  # decode rows
         input_ids = [t for c in order for t in c.token_ids]
-        flat = len(input_ids)
-        # Vectorized slot mapping: token k of chunk j sits at block_table[j][pos // L] · L + pos % L.
-        tables = [c.seq.block_table for c in order]
-        max_blocks = max(len(t) for t in tables)
-        table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long)  # (C, blocks)
-        lens = torch.tensor([len(c.token_ids) for c in order])
-        starts = torch.tensor([c.start for c in order])
-        chunk_of_token = torch.repeat_interleave(torch.arange(len(order)), lens)  # (T,)
-        offsets = torch.arange(flat) - torch.repeat_interleave(lens.cumsum(0) - lens, lens)
-        pos = starts[chunk_of_token] + offsets  # (T,)
-        slots = table[chunk_of_token, pos // bs] * bs + pos % bs
-        decodes = [c for c in order if c.decode]
-        prefills = order[len(decodes):]
-        nd = sum(len(c.token_ids) for c in decodes)  # decode rows
-        decode_tables = decode_mask = None
-        if nd:
-            context_lens = pos[:nd] + 1  # each row sees the cache up to and including itself
-            width = -(-int(context_lens.max()) // bs)
-            decode_tables = table[chunk_of_token[:nd], :width]  # (Nd, width)
-            decode_mask = (torch.arange(width * bs) < context_lens[:, None])[:, None, None, :]
-        prefill_tables = [table[len(decodes) + i, :-(-(c.start + len(c.token_ids)) // bs)]
-                          for i, c in enumerate(prefills)]
         to = self.device
         metadata = AttentionMetadata(
             slot_mapping=slots.to(to), num_decodes=nd,
@@ -149,9 +157,41 @@ class Runner:
             prefill_masks=[torch.ones(len(c.token_ids), c.start + len(c.token_ids), dtype=torch.bool, device=to)
                            .tril(c.start) for c in prefills],
         )
+        if dense:
+            if nd and nd == len(decodes):  # every decode row a plain one-token decode
+                metadata.dense = self.dense_rows.plan([c.seq.seq_id for c in decodes], pos[:nd].tolist(), to)
+            else:
+                self.dense_rows.invalidate()
         self._set_lora(metadata, [c.seq for c in order], [len(c.token_ids) for c in order], nd)
         ids = torch.tensor([input_ids], dtype=torch.long, device=to)
         return ids, pos.to(to), metadata, first_rows(chunks)
+
+    def _layout(self, order: list[Chunk]):
+        """Chunks in flat order → positions (T,), slots (T,), decode block tables (Nd, width) and mask
+        (Nd, 1, 1, width·L) (None without decode rows), per prefill chunk its block table."""
+        bs = self.block_size
+        flat = sum(len(c.token_ids) for c in order)
+        # Vectorized slot mapping: token k of chunk j sits at block_table[j][pos // L] · L + pos % L.
+        tables = [c.seq.block_table for c in order]
+        max_blocks = max(len(t) for t in tables)
+        table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long)  # (C, blocks)
+        lens = torch.tensor([len(c.token_ids) for c in order])
+        starts = torch.tensor([c.start for c in order])
+        chunk_of_token = torch.repeat_interleave(torch.arange(len(order)), lens)  # (T,)
+        offsets = torch.arange(flat) - torch.repeat_interleave(lens.cumsum(0) - lens, lens)
+        pos = starts[chunk_of_token] + offsets  # (T,)
+        slots = table[chunk_of_token, pos // bs] * bs + pos % bs
+        num_decodes = sum(c.decode for c in order)
+        nd = sum(len(c.token_ids) for c in order[:num_decodes])  # decode rows
+        decode_tables = decode_mask = None
+        if nd:
+            context_lens = pos[:nd] + 1  # each row sees the cache up to and including itself
+            width = -(-int(context_lens.max()) // bs)
+            decode_tables = table[chunk_of_token[:nd], :width]  # (Nd, width)
+            decode_mask = (torch.arange(width * bs) < context_lens[:, None])[:, None, None, :]
+        prefill_tables = [table[num_decodes + i, :-(-(c.start + len(c.token_ids)) // bs)]
+                          for i, c in enumerate(order[num_decodes:])]
+        return pos, slots, decode_tables, decode_mask, prefill_tables
 
     def _clear_lora(self) -> None:
         if self.lora is not None:
@@ -173,7 +213,7 @@ class Runner:
     @torch.inference_mode()
     def forward(self, chunks: list[Chunk]) -> tuple[torch.Tensor, list[int]]:
         """The main model over `chunks` → hidden before the final norm (T, H), first row per chunk."""
-        ids, positions, metadata, rows = self.prepare(chunks)
+        ids, positions, metadata, rows = self.prepare(chunks, dense=True)
         for cache in self.caches:
             cache.metadata = metadata
         try:
@@ -234,6 +274,7 @@ class Runner:
         ids (B,) = draw(logits (B, V)) feed the next step as tensors, and the metadata advances by
         tensor ops, so no per-sequence Python runs between steps. → per step (ids (B,), logits (B, V))."""
         bs, to, b = self.block_size, self.device, len(seqs)
+        self.dense_rows.invalidate()  # these steps write the pool only
         width = max(len(s.block_table) for s in seqs)
         tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], device=to)  # (B, W)
         pos = torch.tensor([s.num_tokens - 1 for s in seqs], device=to)  # (B,) position of the token computed

@@ -5,7 +5,7 @@ import random
 import numpy as np
 import pytest
 
-from seekforge.data.corpora import ArithmeticTask, check_answer, story, text_documents, unigram_entropy
+from seekforge.data.corpora import ArithmeticTask, check_answer, dropped_carry, story, text_documents, unigram_entropy
 
 
 @pytest.mark.parametrize("completion", [" 85", "85", "85.", "85.0", " **85**", "The answer is 85.",
@@ -37,6 +37,33 @@ def test_task_answers_are_right():
         assert check_answer(document[len(prompt):], answer)
         question = prompt.removeprefix("Q: ").removesuffix(" = ? A:")
         assert eval(question.replace("/", "//")) == int(answer)  # noqa: S307 — our own generated text
+
+
+def test_dropped_carry_slips_exactly_the_carried_answers():
+    assert [dropped_carry(q) for q in ("47 + 38", "52 - 37", "37 - 52", "30 - 7", "5 + 7", "91 + 55", "21 + 18")] == \
+        [75, 25, -25, 33, 2, 146, 39]
+    task = ArithmeticTask(seed=0, levels=(1,))
+    for i in range(500):
+        question = task.sample(random.Random(i))[0].removeprefix("Q: ").removesuffix(" = ? A:")
+        a, op, b = question.split()
+        a, b = int(a), int(b)
+        carried = (a % 10 + b % 10 >= 10) if op == "+" else (max(a, b) % 10 < min(a, b) % 10)
+        assert (dropped_carry(question) != eval(question)) == carried  # noqa: S307 — our own generated text
+        assert abs(dropped_carry(question) - eval(question)) in (0, 10)  # noqa: S307
+
+
+def test_slip_share_changes_only_the_documents():
+    """slip_share 1 prints every carried answer with the slip; 0 leaves the document stream as it was
+    (no extra random draw); sample() always reports the true answer."""
+    clean, slipped = ArithmeticTask(0, (1,)), ArithmeticTask(0, (1,), slip_share=1.0)
+    for i in range(200):
+        assert slipped.sample(random.Random(i)) == clean.sample(random.Random(i))
+        prompt, answer = clean.sample(random.Random(i))
+        question = prompt.removeprefix("Q: ").removesuffix(" = ? A:")
+        assert slipped.document(random.Random(i)) == f"{prompt} {dropped_carry(question)}"
+        assert clean.document(random.Random(i)) == f"{prompt} {answer}"
+    with pytest.raises(ValueError, match="slip_share"):
+        ArithmeticTask(slip_share=1.5)
 
 
 def test_task_is_seeded():

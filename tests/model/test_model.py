@@ -53,6 +53,25 @@ def test_moe_dropless_equals_loop(skew):
         assert counts[5] == 30 and counts[6] == 30
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_token_experts_equal_dispatch(dtype):
+    """Batch-1 decoding's direct path (GroupedExperts.forward_one_token) against the sorted dispatch it
+    skips (the path taken with autograd on), and both against the loop definition."""
+    cfg = preset("tiny")
+    moe = build_model(cfg, dtype=dtype).layers[1].mlp.eval()
+    for seed in range(4):
+        x = torch.randn(1, 1, cfg.hidden_size, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+        with torch.no_grad():
+            assert moe._one_token(x.view(1, -1))
+            fast = moe(x)
+        with torch.enable_grad():
+            assert not moe._one_token(x.view(1, -1))
+            dispatched = moe(x).detach()
+        torch.testing.assert_close(fast, dispatched, rtol=0, atol=0)
+        if dtype == torch.float32:
+            torch.testing.assert_close(fast.view(1, -1), moe_reference(moe, x).detach(), atol=1e-5, rtol=1e-5)
+
+
 def test_bias_selects_but_does_not_weight():
     cfg = preset("tiny")
     moe = build_model(cfg).layers[1].mlp
@@ -159,6 +178,34 @@ def test_absorbed_decode_equals_naive(overrides):
     mask = torch.ones(3, 9, dtype=torch.bool).tril(6)
     torch.testing.assert_close(attn.attend_absorbed(q_nope, q_pe, c_kv, k_pe, mask),
                                attn.attend_naive(q_nope, q_pe, c_kv, k_pe, mask), atol=1e-5, rtol=1e-5)
+    latents = torch.cat([c_kv, k_pe], dim=-1)  # the scores as one matmul over both (serving's dense rows)
+    r = cfg.kv_lora_rank
+    torch.testing.assert_close(attn.attend_absorbed(q_nope, q_pe, latents[..., :r], latents[..., r:], mask,
+                                                    latents=latents),
+                               attn.attend_absorbed(q_nope, q_pe, c_kv, k_pe, mask), atol=1e-5, rtol=1e-5)
+
+
+def test_absorbed_in_chunks_of_sequences_equals_one_chunk(monkeypatch):
+    """attend_absorbed's loop over chunks of sequences (one per chunk here) against a single chunk, with
+    a per-sequence padding mask as serving's decode rows have, for both ways of computing the scores."""
+    import seekforge.model.model as model_module
+
+    cfg = preset("tiny")
+    attn = build_model(cfg).layers[0].self_attn
+    gen = torch.Generator().manual_seed(0)
+    b, nh, r, dr = 5, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    q_nope = torch.randn(b, 1, nh, cfg.qk_nope_head_dim, generator=gen)
+    q_pe = torch.randn(b, 1, nh, dr, generator=gen)
+    latents = torch.randn(b, 11, r + dr, generator=gen)
+    mask = (torch.arange(11) < torch.tensor([3, 11, 7, 1, 9])[:, None])[:, None, None, :]  # (B, 1, 1, S)
+    with torch.no_grad():
+        for with_latents in (False, True):
+            args = (q_nope, q_pe, latents[..., :r], latents[..., r:], mask, None, latents if with_latents else None)
+            one = attn.attend_absorbed(*args)
+            monkeypatch.setattr(model_module, "LATENT_CHUNK_BYTES", 1)  # one sequence per chunk
+            chunked = attn.attend_absorbed(*args)
+            monkeypatch.undo()
+            torch.testing.assert_close(chunked, one, rtol=1e-6, atol=1e-6)
 
 
 def test_packed_documents_equal_separate_runs():

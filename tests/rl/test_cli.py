@@ -32,6 +32,7 @@ def test_config_file_and_overrides(tmp_path):
     (["--group-size", "1"], "GRPOConfig.group_size=1: must be an integer >= 2"),
     (["--set", "clip_high=-0.2"], "GRPOConfig.clip_high=-0.2: must be >= 0"),
     (["--reward", "no_such_reward"], "unknown reward 'no_such_reward'"),
+    (["--set", "base_slip_share=1.5"], "GRPOConfig.base_slip_share=1.5: must be in [0, 1]"),
 ])
 def test_bad_config_is_one_message_before_any_model(argv, message, tmp_path, capsys, monkeypatch):
     import seekforge.rl.base as base

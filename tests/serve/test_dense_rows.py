@@ -1,0 +1,63 @@
+"""Dense decode rows (kv_cache.DenseRows) against the per-step gather of the pool they replace."""
+
+import pytest
+import torch
+
+from seekforge.serve.engine import LLM
+from seekforge.serve.kv_cache import DenseRows
+from seekforge.serve.sequence import SamplingParams
+
+
+def test_plan_builds_rows_when_a_decoding_set_continues_and_appends_after():
+    rows = DenseRows(budget_bytes=10**9, bytes_per_token=10)
+    assert rows.plan([4, 7], [9, 20], "cpu") is None  # a new set: gather
+    built = rows.plan([4, 7], [10, 21], "cpu")  # the same set one token further: build
+    assert built.rebuild and built.capacity == 256 and built.context_len == 22 and built.rows == 2
+    step = rows.plan([4, 7], [11, 22], "cpu")
+    assert not step.rebuild and step.write_index.tolist() == [11, 256 + 22]
+    assert rows.plan([7, 4], [23, 12], "cpu") is None  # another order: other rows
+    assert rows.plan([7, 4], [24, 13], "cpu").rebuild
+    assert rows.plan([7, 4], [26, 14], "cpu") is None  # a skipped position (multi-step, spec decode)
+    assert rows.plan([7, 4], [27, 15], "cpu").rebuild
+    rows.invalidate()
+    assert rows.plan([7, 4], [28, 16], "cpu") is None
+    assert rows.plan([7, 4], [29, 17], "cpu").rebuild
+    assert not rows.plan([7, 4], [30, 18], "cpu").rebuild
+    grown = rows.plan([7, 4], [31, 19], "cpu")
+    rows.capacity = 32  # as if the rows were built at a short context: the next step outgrows them
+    assert rows.plan([7, 4], [32, 20], "cpu").rebuild and rows.capacity == 256 and not grown.rebuild
+    pow2 = DenseRows(budget_bytes=10**9, bytes_per_token=10)
+    pow2.plan([1, 2, 3], [5, 5, 5], "cpu")
+    assert pow2.plan([1, 2, 3], [6, 6, 6], "cpu").rows == 4  # room to grow: a power of two
+    fit = DenseRows(budget_bytes=3 * 256 * 10, bytes_per_token=10)
+    fit.plan([1, 2, 3], [5, 5, 5], "cpu")
+    assert fit.plan([1, 2, 3], [6, 6, 6], "cpu").rows == 3  # ... within the budget
+    tight = DenseRows(budget_bytes=100, bytes_per_token=10)
+    assert tight.plan([1], [9], "cpu") is None and tight.plan([1], [10], "cpu") is None  # over budget
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_dense_decode_equals_gather(tiny_model, byte_tokenizer, kv_cache_dtype):
+    """Same greedy tokens and logprobs (to 1e-5) with the dense rows as with the gather, across steps where
+    the decoding set changes (requests of different lengths finish, new ones join mid-way)."""
+    prompts = [list(range(3 + 5 * i, 20 + 7 * i)) for i in range(6)]
+    params = [SamplingParams(temperature=0, max_tokens=6 + 5 * i, ignore_eos=True, logprobs=2) for i in range(6)]
+    results, plans = {}, []
+    for dense in (True, False):
+        # 600 blocks: room for the dense rows in fp32 within the budget of an int8 pool (4x smaller)
+        llm = LLM(tiny_model, byte_tokenizer, block_size=8, num_kv_blocks=600, max_num_seqs=4,
+                  kv_cache_dtype=kv_cache_dtype)
+        rows = llm.engine.runner.dense_rows
+        if dense:
+            rows.plan = lambda *a, plan=rows.plan: plans.append(plan(*a)) or plans[-1]
+        else:
+            rows.budget_bytes = 0
+        results[dense] = llm.generate(prompts, params)
+    kept = sum(p is not None and not p.rebuild for p in plans)
+    built = sum(p is not None and p.rebuild for p in plans)
+    assert kept > 20 and built > 3 and None in plans  # every kind of step ran
+    for a, b in zip(results[True], results[False], strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            torch.testing.assert_close(torch.tensor([lp for _, lp in x["top"]]),
+                                       torch.tensor([lp for _, lp in y["top"]]), rtol=0, atol=1e-5)
