@@ -273,7 +273,8 @@ def preset(name: str, **overrides) -> ModelConfig:
 @dataclass
 class EngineConfig:
     """Serving engine knobs (serve/). `kv_cache_memory` sizes the paged latent cache: "512MiB", "2GiB"
-    or a byte count; `num_kv_blocks` overrides it (tests use it to force preemption)."""
+    or a byte count; `num_kv_blocks` overrides it (tests use it to force preemption). On a CPU the
+    dense decode rows (serve/kv_cache.DenseRows) may take up to as much again."""
 
     block_size: int = 16
     kv_cache_memory: str | int = "512MiB"

@@ -116,10 +116,13 @@ class Runner:
         self.device = weight.device
         cfg = model.cfg
         # the main layers' dense decode rows (kv_cache.py), in the attention dtype, in at most as many
-        # bytes as their pools
+        # bytes as their pools. CPU only: that is where the per-step gather was measured to cost (1.2-1.3x
+        # at 64 requests); on a GPU kv_cache_memory is sized to the device, and a second copy of the
+        # latents would not fit beside it (budget 0: every step gathers)
         pool_dtype = torch.int8 if config.kv_cache_dtype == "int8" else weight.dtype
         per_token = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * weight.element_size() * cfg.num_hidden_layers
-        self.dense_rows = DenseRows(num_blocks * bytes_per_block(cfg, config.block_size, pool_dtype), per_token)
+        budget = num_blocks * bytes_per_block(cfg, config.block_size, pool_dtype) if self.device.type == "cpu" else 0
+        self.dense_rows = DenseRows(budget, per_token)
         self.scratch = GatherScratch(self.dense_rows)  # one set of gather outputs for all layers
 
         def pool(kv_b_name=None, layer=0):
