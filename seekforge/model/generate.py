@@ -72,7 +72,8 @@ def add_arguments(p):
     p.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
-                   help="auto: bfloat16 where the hardware runs it natively (GPU, AVX512-BF16/AMX), else float32")
+                   help="auto: bfloat16 on GPUs and on CPUs whose native bf16 matmuls (AVX512-BF16/AMX) "
+                        "measure faster than float32, else float32")
 
 
 def run(args):

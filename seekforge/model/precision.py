@@ -3,7 +3,11 @@
 bf16 halves the bytes of every weight and activation, but only hardware with native bf16 matmuls turns
 that into speed: GPUs, and CPUs with AVX512-BF16 or AMX. A CPU with AVX2 only emulates it — a bf16
 1024³ matmul ran at 0.6 GFLOP/s there against 69 GFLOP/s in fp32 — so `auto` means bf16 on those
-devices and fp32 everywhere else.
+devices and fp32 everywhere else. Flags are not the whole story: one AVX512-BF16 machine measured its bf16
+matmuls at 414 GFLOP/s (fp32 253–296) one morning and at 210 (fp32 408) that evening, when the default
+pretrain's step ran 2x faster in fp32. So on a CPU with the flags, `auto` also times one 1024³ matmul in
+each dtype (once per process, ~50 ms) and keeps bf16 only where it measured at least 1.2x fp32's speed;
+near that ratio the pick can differ between runs — give bf16 or fp32 for a fixed one.
 
 SEEKFORGE_CPU_BF16=0 (or 1) overrides the CPU detection, e.g. to try the fp32 path on a bf16 machine.
 torch's own ATEN_CPU_CAPABILITY=avx2 also counts as a CPU without native bf16.
@@ -11,7 +15,9 @@ torch's own ATEN_CPU_CAPABILITY=avx2 also counts as a CPU without native bf16.
 
 from __future__ import annotations
 
+import functools
 import os
+import time
 
 import torch
 
@@ -27,11 +33,35 @@ def cpu_has_native_bf16() -> bool:
     return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
+# bf16 must measure at least this many times fp32's matmul speed for `auto` to pick it on a CPU
+BF16_MIN_SPEEDUP = 1.2
+
+
+@functools.cache
+def cpu_bf16_speedup(n: int = 1024, repeats: int = 3) -> float:
+    """bf16 ÷ fp32 throughput of an n³ matmul on this CPU, best of `repeats` each (measured once)."""
+    def best_seconds(dtype: torch.dtype) -> float:
+        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+        a @ b  # warm-up: packing buffers, kernel selection
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            a @ b
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    return best_seconds(torch.float32) / best_seconds(torch.bfloat16)
+
+
 def auto_dtype(device: str | torch.device = "cpu") -> torch.dtype:
-    """bf16 where the device runs bf16 matmuls natively, else fp32."""
+    """bf16 on GPUs and on CPUs whose native bf16 matmuls measure faster than fp32 here, else fp32."""
     if torch.device(device).type == "cuda":
         return torch.bfloat16
-    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    if not cpu_has_native_bf16():
+        return torch.float32
+    if os.environ.get("SEEKFORGE_CPU_BF16") == "1":
+        return torch.bfloat16
+    return torch.bfloat16 if cpu_bf16_speedup() >= BF16_MIN_SPEEDUP else torch.float32
 
 
 def resolve_dtype(name: str, device: str | torch.device = "cpu") -> tuple[torch.dtype, str]:
@@ -46,7 +76,11 @@ def resolve_dtype(name: str, device: str | torch.device = "cpu") -> tuple[torch.
         why = "GPU"
     elif os.environ.get("SEEKFORGE_CPU_BF16") in ("0", "1"):
         why = f"SEEKFORGE_CPU_BF16={os.environ['SEEKFORGE_CPU_BF16']}"
+    elif cpu_has_native_bf16():
+        verdict = "" if dtype == torch.bfloat16 else f", below the {BF16_MIN_SPEEDUP}x that bf16 needs"
+        why = (f"CPU capability {torch.backends.cpu.get_cpu_capability()}, native bf16 matmul measured at "
+               f"{cpu_bf16_speedup():.2f}x fp32's speed{verdict}")
     else:
-        native = "native bf16 matmul" if dtype == torch.bfloat16 else "no native bf16 matmul (emulated: ~100x slower)"
-        why = f"CPU capability {torch.backends.cpu.get_cpu_capability()}, {native}"
+        why = (f"CPU capability {torch.backends.cpu.get_cpu_capability()}, no native bf16 matmul "
+               "(emulated: ~100x slower)")
     return dtype, f"{'bf16' if dtype == torch.bfloat16 else 'fp32'} (auto: {why})"

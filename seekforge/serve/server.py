@@ -481,7 +481,8 @@ def add_arguments(p):
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
-                   help="auto: bfloat16 where the hardware runs it natively (GPU, AVX512-BF16/AMX), else float32")
+                   help="auto: bfloat16 on GPUs and on CPUs whose native bf16 matmuls (AVX512-BF16/AMX) "
+                        "measure faster than float32, else float32")
     p.add_argument("--kv-cache-memory", default="512MiB", help="memory for the paged latent KV cache")
     p.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default="auto",
                    help="int8: cache c_kv and k_pe per token in int8 with an fp32 scale (about 1/2 of bf16's bytes)")

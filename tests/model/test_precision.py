@@ -1,0 +1,35 @@
+"""`auto` picks bf16 on a CPU only where its native bf16 matmuls measure faster than fp32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import seekforge.model.precision as precision
+
+
+@pytest.mark.parametrize("native, speedup, expected", [
+    (False, 9.0, torch.float32),  # AVX2: emulated bf16, never timed
+    (True, 1.6, torch.bfloat16),  # AVX512-BF16 / AMX running as it should
+    (True, 0.6, torch.float32),  # flags say bf16, the measurement says fp32 is faster here
+])
+def test_auto_dtype_follows_the_measured_speed(monkeypatch, native, speedup, expected):
+    monkeypatch.delenv("SEEKFORGE_CPU_BF16", raising=False)
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: native)
+    monkeypatch.setattr(precision, "cpu_bf16_speedup", lambda: speedup)
+    dtype, why = precision.resolve_dtype("auto")
+    assert dtype == expected
+    if native:
+        assert f"measured at {speedup:.2f}x fp32's speed" in why
+    assert precision.resolve_dtype("bf16")[0] == torch.bfloat16  # an explicit choice is never second-guessed
+
+
+def test_forced_bf16_skips_the_measurement(monkeypatch):
+    monkeypatch.setenv("SEEKFORGE_CPU_BF16", "1")
+    monkeypatch.setattr(precision, "cpu_bf16_speedup", lambda: pytest.fail("timed a forced choice"))
+    assert precision.auto_dtype() == torch.bfloat16
+
+
+def test_the_measurement_is_a_positive_ratio_taken_once():
+    ratio = precision.cpu_bf16_speedup()
+    assert ratio > 0 and precision.cpu_bf16_speedup() == ratio
