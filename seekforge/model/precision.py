@@ -7,7 +7,8 @@ devices and fp32 everywhere else. Flags are not the whole story: one AVX512-BF16
 matmuls at 414 GFLOP/s (fp32 253–296) one morning and at 210 (fp32 408) that evening, when the default
 pretrain's step ran 2x faster in fp32. So on a CPU with the flags, `auto` also times one 1024³ matmul in
 each dtype (once per process, ~50 ms) and keeps bf16 only where it measured at least 1.2x fp32's speed;
-near that ratio the pick can differ between runs — give bf16 or fp32 for a fixed one.
+near that ratio the pick can differ between runs — give bf16 or fp32 for a fixed one. Under torchrun
+(WORLD_SIZE > 1) the flags alone decide, so that every rank picks the same dtype.
 
 SEEKFORGE_CPU_BF16=0 (or 1) overrides the CPU detection, e.g. to try the fp32 path on a bf16 machine.
 torch's own ATEN_CPU_CAPABILITY=avx2 also counts as a CPU without native bf16.
@@ -59,9 +60,14 @@ def auto_dtype(device: str | torch.device = "cpu") -> torch.dtype:
         return torch.bfloat16
     if not cpu_has_native_bf16():
         return torch.float32
-    if os.environ.get("SEEKFORGE_CPU_BF16") == "1":
-        return torch.bfloat16
+    if os.environ.get("SEEKFORGE_CPU_BF16") == "1" or _ranks() > 1:
+        return torch.bfloat16  # the ranks of one job must agree, and their timings could differ: the flags decide
     return torch.bfloat16 if cpu_bf16_speedup() >= BF16_MIN_SPEEDUP else torch.float32
+
+
+def _ranks() -> int:
+    """The job's world size as torchrun announces it (known before any process group exists)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def resolve_dtype(name: str, device: str | torch.device = "cpu") -> tuple[torch.dtype, str]:
@@ -76,6 +82,8 @@ def resolve_dtype(name: str, device: str | torch.device = "cpu") -> tuple[torch.
         why = "GPU"
     elif os.environ.get("SEEKFORGE_CPU_BF16") in ("0", "1"):
         why = f"SEEKFORGE_CPU_BF16={os.environ['SEEKFORGE_CPU_BF16']}"
+    elif cpu_has_native_bf16() and _ranks() > 1:
+        why = f"CPU capability {torch.backends.cpu.get_cpu_capability()}, native bf16 matmul; not timed under torchrun"
     elif cpu_has_native_bf16():
         verdict = "" if dtype == torch.bfloat16 else f", below the {BF16_MIN_SPEEDUP}x that bf16 needs"
         why = (f"CPU capability {torch.backends.cpu.get_cpu_capability()}, native bf16 matmul measured at "

@@ -15,6 +15,7 @@ import seekforge.model.precision as precision
 ])
 def test_auto_dtype_follows_the_measured_speed(monkeypatch, native, speedup, expected):
     monkeypatch.delenv("SEEKFORGE_CPU_BF16", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: native)
     monkeypatch.setattr(precision, "cpu_bf16_speedup", lambda: speedup)
     dtype, why = precision.resolve_dtype("auto")
@@ -28,6 +29,16 @@ def test_forced_bf16_skips_the_measurement(monkeypatch):
     monkeypatch.setenv("SEEKFORGE_CPU_BF16", "1")
     monkeypatch.setattr(precision, "cpu_bf16_speedup", lambda: pytest.fail("timed a forced choice"))
     assert precision.auto_dtype() == torch.bfloat16
+
+
+def test_ranks_of_one_job_decide_by_the_flags(monkeypatch):
+    """Under torchrun each rank would time its own matmul (on shared cores): they could disagree."""
+    monkeypatch.delenv("SEEKFORGE_CPU_BF16", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(precision, "cpu_bf16_speedup", lambda: pytest.fail("timed under torchrun"))
+    dtype, why = precision.resolve_dtype("auto")
+    assert dtype == torch.bfloat16 and "not timed under torchrun" in why
 
 
 def test_the_measurement_is_a_positive_ratio_taken_once():
