@@ -115,7 +115,8 @@ def _grpo(cfg: GRPOConfig) -> None:
     say(f"seekforge grpo → {out_dir}")
     base = cfg.base
     if not base:
-        say(f"built-in base model: {cfg.base_steps} pretraining steps on the arithmetic task (reused if present)")
+        say(f"built-in base model: up to {cfg.base_steps} pretraining steps on the arithmetic task, until its held-out "
+            f"accuracy reaches {cfg.base_target_accuracy:.0%} or levels off (reused if present)")
         base = str(prepare_base(cfg, load_tokenizer(cfg.tokenizer), out_dir / "base"))
         say(f"base model ready in {time.perf_counter() - start:.0f}s: {base}")
     device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"

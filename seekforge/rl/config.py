@@ -67,16 +67,19 @@ class GRPOConfig:
     checkpoint_fallback: bool = True  # a damaged latest checkpoint: resume from an older intact one (TrainConfig's)
     # preparing the built-in base (when `base` is empty)
     model: dict[str, Any] = field(default_factory=dict)  # ModelConfig overrides of DEFAULT_BASE_MODEL
-    base_steps: int = 3000  # at most; it stops early once base_target_accuracy is reached
-    base_lr: float = 3e-3
+    base_steps: int = 4000  # at most; it stops early at base_target_accuracy or a plateau (rl/base.py)
+    # 1e-3: the base learned the units digit within 1,400-2,400 steps on each of five data orders; at 3e-3
+    # the clean corpus was at 31% after 2,500 steps and the slip corpus at 11% after 3,000 (BENCHMARKS.md)
+    base_lr: float = 1e-3
     base_check_interval: int = 100
-    base_target_accuracy: float = 0.3
-    # > 0: the base's corpus imitates one with mistakes: this share of the carried (borrowed) answers drop
-    # the carry (data/corpora.dropped_carry), so a base that has learned the task knows both ways and
-    # greedily answers carried questions with the slip; GRPO's reward then has a wrong preference to fix
-    # (+24 points in 150 steps from such a base). Off by default: the slips also slow the base's learning
-    # of the units digit, past 3,000 steps for some data orders (BENCHMARKS.md, GRPO).
-    base_slip_share: float = 0.0
+    base_target_accuracy: float = 0.6
+    base_patience: int = 4  # checks without a better held-out accuracy that end the base's pretraining; 0: off
+    # The base's corpus imitates one with mistakes: this share of the carried (borrowed) answers drop the
+    # carry (data/corpora.dropped_carry), so a base that has learned the task knows both ways and greedily
+    # answers most carried questions with the slip: GRPO's reward has a wrong preference to fix, which it
+    # does in 100-200 steps. 0: a clean corpus (the base is then still learning the task when it stops, and
+    # GRPO moves it by a few points only).
+    base_slip_share: float = 2 / 3
 
     def __post_init__(self):
         self.validate()
@@ -92,7 +95,7 @@ class GRPOConfig:
                     "base_check_interval"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
                 bad(key, "must be a positive integer")
-        for key in ("warmup", "eval_prompts", "eval_interval", "save_interval"):
+        for key in ("warmup", "eval_prompts", "eval_interval", "save_interval", "base_patience"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 0:
                 bad(key, "must be an integer >= 0")
         for key in ("clip_low", "clip_high", "beta", "weight_decay", "clip_grad"):
