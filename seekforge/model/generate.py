@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from seekforge.model.load import load_model
+from seekforge.model.load import load_model, model_width
 from seekforge.model.model import LatentCache, Transformer
 from seekforge.model.precision import resolve_dtype
 
@@ -73,13 +73,13 @@ def add_arguments(p):
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="auto: bfloat16 on GPUs and on CPUs whose native bf16 matmuls (AVX512-BF16/AMX) "
-                        "measure faster than float32, else float32")
+                        "measure faster than float32 and a model at least 1024 wide, else float32")
 
 
 def run(args):
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens={args.max_new_tokens}; give at least 1")
-    dtype, why = resolve_dtype(args.dtype)
+    dtype, why = resolve_dtype(args.dtype, hidden_size=model_width(args.model))
     print(f"dtype: {why}", file=sys.stderr)  # stdout carries the text alone
     model, tok = load_model(args.model, dtype)
     text = args.prompt

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -28,6 +29,17 @@ def load_model(name_or_path: str, dtype=torch.float32, device="cpu"):
     check_tokenizer_fits(tokenizer, model.cfg, path / "tokenizer.json" if has_hf_tokenizer else "byte",
                          path / "config.json")
     return model, tokenizer
+
+
+def model_width(name_or_path: str) -> int | None:
+    """The hidden size of a preset or an HF checkpoint directory, read before loading it (for the `auto`
+    dtype: model/precision.resolve_dtype); None when it cannot be told."""
+    if name_or_path in PRESETS:
+        return preset(name_or_path).hidden_size
+    try:
+        return int(json.loads((Path(name_or_path) / "config.json").read_text())["hidden_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # load_model says what is wrong with it
 
 
 def check_tokenizer_fits(tokenizer, cfg: ModelConfig, tokenizer_source, config_source) -> None:

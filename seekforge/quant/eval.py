@@ -55,10 +55,11 @@ def add_arguments(p):
 
 
 def run(args):
+    from seekforge.model.load import model_width
     from seekforge.model.precision import resolve_dtype
     from seekforge.quant.load import load_model
 
-    dtype = resolve_dtype(args.dtype)[0]
+    dtype = resolve_dtype(args.dtype, hidden_size=model_width(args.model))[0]
     model, tokenizer = load_model(args.model, dtype)
     ppl = perplexity(model, tokenizer, args.num_samples)
     print(f"perplexity (builtin:text valid, {args.num_samples}×256 tokens): {ppl:.4f}")

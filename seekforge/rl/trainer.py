@@ -89,12 +89,6 @@ def encode_prompt(tokenizer, prompt: str) -> list[int]:
     return [tokenizer.eos_token_id, *tokenizer.encode(prompt)]
 
 
-# Below this width, bf16 autocast is slower than fp32 even on CPUs with native bf16 matmuls: the built-in
-# base (hidden 128) took 3.3 s of CPU per iteration in bf16 against 1.3 s in fp32 (AVX512-BF16, one
-# thread), while the `small` preset (hidden 512) runs faster in bf16 (BENCHMARKS.md, GRPO).
-_MIN_BF16_HIDDEN = 256
-
-
 class GRPOTrainer:
     def __init__(self, cfg: GRPOConfig, policy, tokenizer, reference=None, out_dir: str | Path | None = None):
         """policy: the Transformer to train (the engine runs on this very module); reference: a frozen
@@ -111,11 +105,7 @@ class GRPOTrainer:
         # matmuls natively (model/precision.py). The engine generates on the policy's own tensors when
         # it can; on a replica in the compute dtype (bf16) or when the policy is FSDP-sharded (under
         # torchrun), refreshed in place from the policy after every update (no file).
-        self.compute_dtype, self.dtype_reason = resolve_dtype(cfg.dtype, self.device)
-        if cfg.dtype == "auto" and self.compute_dtype != torch.float32 and policy.cfg.hidden_size < _MIN_BF16_HIDDEN:
-            self.compute_dtype = torch.float32
-            self.dtype_reason = (f"fp32 (auto: hidden_size {policy.cfg.hidden_size} < {_MIN_BF16_HIDDEN}, where "
-                                 f"autocast's casts cost more than bf16 matmuls save; --dtype bf16 to force)")
+        self.compute_dtype, self.dtype_reason = resolve_dtype(cfg.dtype, self.device, policy.cfg.hidden_size)
         self.sharded = _distributed() and cfg.fsdp
         self._replica_plan = None  # (transfers, source dtypes) from the FSDP policy to the replica
         self.engine_model = policy

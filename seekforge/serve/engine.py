@@ -370,6 +370,7 @@ class LLM:
 
     def __init__(self, model: str | Transformer = "tiny", tokenizer=None, dtype: str | torch.dtype = "auto",
                  **engine_kwargs):
+        from seekforge.model.load import model_width
         from seekforge.model.precision import resolve_dtype
         from seekforge.model.tokenizer import load_tokenizer
         from seekforge.quant.load import load_model  # quantized checkpoints too
@@ -377,7 +378,7 @@ class LLM:
         if isinstance(model, Transformer):
             tokenizer = tokenizer or load_tokenizer("byte")
         else:
-            dtype = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype)[0]
+            dtype = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype, hidden_size=model_width(model))[0]
             model, loaded_tokenizer = load_model(model, dtype)
             tokenizer = tokenizer or loaded_tokenizer
         self.engine = LLMEngine(model, tokenizer, EngineConfig(**engine_kwargs))

@@ -482,7 +482,7 @@ def add_arguments(p):
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="auto: bfloat16 on GPUs and on CPUs whose native bf16 matmuls (AVX512-BF16/AMX) "
-                        "measure faster than float32, else float32")
+                        "measure faster than float32 and a model at least 1024 wide, else float32")
     p.add_argument("--kv-cache-memory", default="512MiB", help="memory for the paged latent KV cache")
     p.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default="auto",
                    help="int8: cache c_kv and k_pe per token in int8 with an fp32 scale (about 1/2 of bf16's bytes)")
@@ -538,6 +538,7 @@ def parse_lora_modules(specs: list[str]) -> list[tuple[str, str]]:
 def run(args):
     import torch
 
+    from seekforge.model.load import model_width
     from seekforge.model.precision import resolve_dtype
     from seekforge.quant.load import load_model  # quantized checkpoints too
     from seekforge.serve.engine import LLMEngine
@@ -545,7 +546,7 @@ def run(args):
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
-    dtype, why = resolve_dtype(args.dtype)
+    dtype, why = resolve_dtype(args.dtype, hidden_size=model_width(args.model))
     logging.getLogger("seekforge.serve").info("dtype: %s", why)
     if args.tp * args.dp_attention * args.ep > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return run_distributed(args, dtype)

@@ -26,8 +26,8 @@ _FLAGS = [
     ("--grad-accum", "grad_accum", int, "micro-batches per optimizer step"),
     ("--lr", "lr", float, "peak learning rate"),
     ("--schedule", "schedule", str, "cosine | wsd (warmup-stable-decay)"),
-    ("--dtype", "dtype", str, "auto (bf16 where the hardware runs it natively, else fp32) | bf16 (autocast, "
-                              "fp32 master weights) | fp32"),
+    ("--dtype", "dtype", str, "auto (bf16 where the hardware runs it fast and the model is >= 1024 wide, "
+                              "else fp32) | bf16 (bf16 weights over fp32 master weights) | fp32"),
     ("--recompute", "recompute", str, "activation recompute: none | full | selective"),
     ("--seed", "seed", int, "model init and data order"),
     ("--out-dir", "out_dir", str, "run directory"),

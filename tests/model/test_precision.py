@@ -44,3 +44,20 @@ def test_ranks_of_one_job_decide_by_the_flags(monkeypatch):
 def test_the_measurement_is_a_positive_ratio_taken_once():
     ratio = precision.cpu_bf16_speedup()
     assert ratio > 0 and precision.cpu_bf16_speedup() == ratio
+
+
+def test_narrow_models_keep_fp32_on_a_cpu(monkeypatch, tmp_path):
+    """A bf16 CPU's fast 1024³ matmul says nothing about a hidden-192 model's small ones (2x slower in bf16)."""
+    from seekforge.model.load import model_width
+
+    monkeypatch.delenv("SEEKFORGE_CPU_BF16", raising=False)
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(precision, "cpu_bf16_speedup", lambda: 3.8)
+    dtype, why = precision.resolve_dtype("auto", hidden_size=192)
+    assert dtype == torch.float32 and "hidden_size 192" in why
+    assert precision.resolve_dtype("auto", hidden_size=2048)[0] == torch.bfloat16
+    assert precision.resolve_dtype("auto")[0] == torch.bfloat16  # width unknown: the measurement decides
+    assert precision.resolve_dtype("bf16", hidden_size=192)[0] == torch.bfloat16
+    assert precision.resolve_dtype("auto", "cuda", hidden_size=192)[0] == torch.bfloat16
+    (tmp_path / "config.json").write_text('{"hidden_size": 192}')
+    assert model_width(str(tmp_path)) == 192 and model_width("tiny") == 64 and model_width("nowhere") is None
