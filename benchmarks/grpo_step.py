@@ -163,7 +163,9 @@ def main():
         return child(args.child, Path(args.workdir), args.threads, args.dtype)
     if args.threads:
         torch.set_num_threads(args.threads)
-    dtype, _ = machine_header(args.dtype)
+    from seekforge.config import preset
+
+    dtype, _ = machine_header(args.dtype, hidden_size=preset(args.preset).hidden_size)
     args.dtype = "bf16" if dtype == torch.bfloat16 else "fp32"  # both sides get the resolved dtype
     print(f"preset {args.preset} (no MTP), {PROMPTS} prompts x G={G}, up to {MAX_NEW} new tokens, one optimizer "
           f"step; both sides in {args.dtype}")

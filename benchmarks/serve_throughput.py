@@ -73,7 +73,7 @@ def main():
     dtype_arg(p)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    dtype, _ = machine_header(args.dtype)
+    dtype, _ = machine_header(args.dtype, hidden_size=preset(args.preset).hidden_size)
     # The peer gets the same weights, its logits checked in fp32 before it is cast to the measured dtype;
     # build_model keeps the routers in fp32, as the official checkpoints do.
     hf = None if args.skip_hf else hf_peer(build_model(preset(args.preset), seed=0).eval()).to(dtype)
