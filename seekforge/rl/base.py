@@ -92,8 +92,9 @@ def prepare_base(cfg: GRPOConfig, tokenizer, out_dir: Path, progress: bool = Tru
     first check that reaches `base_target_accuracy`, or once the accuracy has plateaued — no better check
     in `base_patience` checks, after it first reached PLATEAU_FLOOR — or after base_steps. GRPO should
     start from a model that is right sometimes and has learned what its corpus teaches: the slip base's
-    accuracy rises in a sudden jump (somewhere between 1,400 and 2,600 steps, depending on the data
-    order) and then levels off near 50%, right on the carry-free questions and slipping on the others."""
+    accuracy rises in a sudden jump (between ~1,200 and ~3,600 steps in the runs measured: the data order
+    and even the thread count move it) and then levels off near 50%, right on the carry-free questions and
+    slipping on the others."""
     from seekforge.model.hf import save_hf
     from seekforge.model.model import build_model
     from seekforge.rl.trainer import PromptStream, held_out_accuracy

@@ -68,8 +68,8 @@ class GRPOConfig:
     # preparing the built-in base (when `base` is empty)
     model: dict[str, Any] = field(default_factory=dict)  # ModelConfig overrides of DEFAULT_BASE_MODEL
     base_steps: int = 4000  # at most; it stops early at base_target_accuracy or a plateau (rl/base.py)
-    # 1e-3: the base learned the units digit within 1,400-2,400 steps on each of five data orders; at 3e-3
-    # the clean corpus was at 31% after 2,500 steps and the slip corpus at 11% after 3,000 (BENCHMARKS.md)
+    # 1e-3: the base learned the units digit within ~1,200-3,600 steps in each of nine runs; at 3e-3 the
+    # clean corpus was at 31% after 2,500 steps and the slip corpus at 11% after 3,000 (BENCHMARKS.md)
     base_lr: float = 1e-3
     base_check_interval: int = 100
     base_target_accuracy: float = 0.6
