@@ -255,6 +255,11 @@ def main() -> None:
     unknown = set(peers) - set(WORKERS)
     if unknown:
         raise SystemExit(f"unknown peers {sorted(unknown)}; choose from {sorted(WORKERS)}")
+    missing = [name for name in peers if args.skip_install and not (Path(args.envs) / name / "bin" / "python").exists()]
+    if missing:  # before any model is built or any engine runs
+        raise SystemExit(f"--skip-install, but no environment for {missing} under {args.envs}: run once without "
+                         f"--skip-install to make it (vLLM's takes ~30 min, llama.cpp's compiles from source), or "
+                         f"leave them out with --peers")
     n, prompt_len, new = (4, 16, 8) if args.dry_run else (64, 128, 128)
     cfg = preset("tiny", **DRY_OVERRIDES) if args.dry_run else preset("small", **MODEL_OVERRIDES)
     envs = Path(args.envs)
