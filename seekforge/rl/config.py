@@ -54,7 +54,7 @@ class GRPOConfig:
     max_pack_count: int = 64
     swap: bool = True  # free the engine's KV pool during training; offload reference / optimizer state
     fsdp: bool = True  # under torchrun: FSDP-shard the policy and its optimizer state (False: full replicas)
-    dtype: str = "auto"  # compute dtype: auto (bf16 where the hardware runs it natively, else fp32) | bf16 | fp32
+    dtype: str = "auto"  # auto (model/precision.resolve_dtype: fp32 on CPUs below hidden 1024) | bf16 | fp32
     kv_cache_memory: str = "64MiB"
     eval_prompts: int = 500  # held-out prompts, greedy; 0 disables (500: ±2 points of binomial noise at 30%)
     eval_interval: int = 25
