@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from seekforge.config import preset
-from seekforge.model.model import DocumentLayout, LatentCache, build_model, document_mask
+from seekforge.model.model import DocumentLayout, LatentCache, RMSNorm, build_model, document_mask
 from seekforge.model.moe import (
     GroupedExperts,
     LocalDispatcher,
@@ -30,6 +30,30 @@ def moe_reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
             h = torch.nn.functional.silu(x[t] @ gate.t()) * (x[t] @ up.t())
             out[t] += w * (h @ e.down_proj[k].t())
     return out + moe.shared_experts(x)
+
+
+@pytest.mark.parametrize("shape", [(1, 192), (2, 7, 512)])
+@pytest.mark.parametrize("grads", ["both", "input", "weight"])
+def test_rms_norm_equals_reference(shape, grads):
+    """The CPU fp32 RMSNorm's own forward and backward against F.rms_norm's (autograd of its ops)."""
+    torch.manual_seed(0)
+    norm = RMSNorm(shape[-1])
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = (3 * torch.randn(shape)).requires_grad_(grads != "weight")
+    norm.weight.requires_grad_(grads != "input")
+    grad = torch.randn(shape)
+    results = []
+    for fn in (norm, lambda t: torch.nn.functional.rms_norm(t, (shape[-1],), norm.weight, norm.eps)):
+        x.grad = norm.weight.grad = None
+        out = fn(x)
+        out.backward(grad)
+        results.append((out.detach(), x.grad, norm.weight.grad))
+    for ours, reference in zip(*results, strict=True):
+        if reference is None:
+            assert ours is None
+        else:
+            torch.testing.assert_close(ours, reference, atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("skew", [False, True])
