@@ -30,13 +30,20 @@ class RMSNorm(nn.Module):
             # Nothing to round between normalizing and scaling (the fp32 residual stream under bf16
             # autocast). On CPU F.rms_norm is a composite of five ops with autograd's backward for each.
             if x.device.type == "cpu" and type(x) is torch.Tensor and not torch.compiler.is_compiling():
-                return _RMSNorm.apply(x, self.weight, self.eps)
+                if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+                    return _RMSNorm.apply(x, self.weight, self.eps)
+                if x.numel() >= 16 * x.shape[-1]:  # fewer rows: F.rms_norm's one call costs less (~11 vs 15 µs)
+                    return torch.mul(x, _rstd(x, self.eps)).mul_(self.weight)  # serving: no Function to enter
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         # Normalize in fp32, round to the input dtype, then scale (HF's order, so bf16 results match);
         # F.rms_norm is one fused kernel instead of five.
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * normed.to(x.dtype)
 
+
+def _rstd(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """rsqrt(mean(x²) + eps) over the last dim, (..., 1), from one fused norm pass."""
+    return torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_().div_(x.shape[-1]).add_(eps).rsqrt_()
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -46,7 +53,7 @@ class _RMSNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, eps):
-        rstd = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_().div_(x.shape[-1]).add_(eps).rsqrt_()
+        rstd = _rstd(x, eps)
         ctx.save_for_backward(x, weight, rstd)
         return torch.mul(x, rstd).mul_(weight)
 
@@ -61,6 +68,7 @@ class _RMSNorm(torch.autograd.Function):
             dot = (grad_normed * normed).mean(dim=-1, keepdim=True)
             grad_x = grad_normed.sub_(normed.mul_(dot)).mul_(rstd)
         return grad_x, grad_w, None
+
 
 # ---------------------------------------------------------------------------------------- RoPE
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:

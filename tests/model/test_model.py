@@ -54,6 +54,10 @@ def test_rms_norm_equals_reference(shape, grads):
             assert ours is None
         else:
             torch.testing.assert_close(ours, reference, atol=2e-5, rtol=1e-5)
+    for rows in (1, 16, 64):  # serving (no autograd): F.rms_norm below 16 rows, its own math from 16
+        x = torch.randn(rows, shape[-1])
+        with torch.no_grad():
+            torch.testing.assert_close(norm(x), torch.nn.functional.rms_norm(x, (shape[-1],), norm.weight, norm.eps))
 
 
 @pytest.mark.parametrize("skew", [False, True])
