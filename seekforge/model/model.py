@@ -414,35 +414,32 @@ class DocumentLayout:
 
     def to_documents(self, x: torch.Tensor) -> torch.Tensor:
         """(B, T, ...) → (D, L, ...)."""
-        rows = _Relayout.apply(x.flatten(0, 1), self.token_of_slot, self.slot_of_token, False)
-        return rows.unflatten(0, (self.num_documents, self.max_len))
+        return _Relayout.apply(x.flatten(0, 1), self, True).unflatten(0, (self.num_documents, self.max_len))
 
     def from_documents(self, x: torch.Tensor) -> torch.Tensor:
         """(D, L, ...) → (B, T, ...): each token's own row back, padding dropped."""
-        rows = _Relayout.apply(x.flatten(0, 1), self.slot_of_token, self.token_of_slot, True)
-        return rows.unflatten(0, self.shape)
+        return _Relayout.apply(x.flatten(0, 1), self, False).unflatten(0, self.shape)
 
 
 class _Relayout(torch.autograd.Function):
-    """x.index_select(0, index) between the packed and the per-document layouts, with the inverse map
-    as backward: autograd's own backward for x[index] is a scattered accumulate (index_put_, serial
-    on CPU: ~8% of a GRPO training phase). Exact because every token has exactly one slot: to the
-    documents (drops=False), a padding slot repeats token 0 but its gradient is zero (a padded query's
-    output is never gathered back, and causal attention never reads a right-padded key), so the
-    gradient is the token's own slot's; back from them (drops=True), the padding slots get zero."""
+    """A DocumentLayout's gather between the packed (B·T, ...) and the per-document (D·L, ...) rows, with
+    the inverse gather as backward: autograd's own backward for x[index] is a scattered accumulate
+    (index_put_, serial on CPU: ~8% of a GRPO training phase). Exact because every token has exactly
+    one slot: to the documents, a padding slot repeats token 0 but its gradient is zero (a padded
+    query's output is never gathered back, and causal attention never reads a right-padded key), so a
+    token's gradient is its own slot's; back from them, the padding slots' gradient is zero."""
 
     @staticmethod
-    def forward(ctx, x, index, inverse, drops):
-        ctx.save_for_backward(index, inverse)
-        ctx.drops, ctx.rows = drops, x.shape[0]
-        return x.index_select(0, index)
+    def forward(ctx, x, layout: DocumentLayout, to_documents: bool):
+        ctx.layout, ctx.to_documents = layout, to_documents
+        return x.index_select(0, layout.token_of_slot if to_documents else layout.slot_of_token)
 
     @staticmethod
     def backward(ctx, grad):
-        index, inverse = ctx.saved_tensors
-        if not ctx.drops:
-            return grad.index_select(0, inverse), None, None, None
-        return grad.new_zeros(ctx.rows, *grad.shape[1:]).index_copy_(0, index, grad), None, None, None
+        slots = ctx.layout.slot_of_token
+        if ctx.to_documents:
+            return grad.index_select(0, slots), None, None
+        return grad.new_zeros(len(ctx.layout.token_of_slot), *grad.shape[1:]).index_copy_(0, slots, grad), None, None
 
 
 class Transformer(nn.Module):
