@@ -464,7 +464,7 @@ class TrainConfig:
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
     clip: float = 1.0  # global grad-norm clip; 0 disables
-    # "auto": bf16 where the hardware runs it natively (GPU, AVX512-BF16/AMX CPU), else fp32 |
+    # "auto": bf16 where the hardware runs it fast for this model's width (model/precision.resolve_dtype), else fp32 |
     # "bf16": bf16 compute over fp32 master weights (one process: persistent bf16 matmul weights,
     # train/master.py; FSDP2: its MixedPrecisionPolicy; activations: autocast) | "fp32"
     dtype: str = "auto"
@@ -527,7 +527,7 @@ class TrainConfig:
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             bad("betas", "give two numbers in [0, 1), e.g. [0.9, 0.95]")
         if self.dtype not in ("auto", "bf16", "fp32"):
-            bad("dtype", "use 'auto' (bf16 where the hardware runs it natively), 'bf16' (autocast, fp32 master "
+            bad("dtype", "use 'auto' (bf16 where the hardware runs it fast), 'bf16' (bf16 compute, fp32 master "
                          "weights) or 'fp32'")
         if self.recompute not in ("none", "full", "selective"):
             bad("recompute", "use 'none', 'full' or 'selective'")

@@ -36,6 +36,11 @@ def cpu_has_native_bf16() -> bool:
     return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
+# What `auto` means, for --help texts and messages (resolve_dtype is the rule itself).
+AUTO_DTYPE_HELP = ("bf16 on GPUs, and on CPUs whose native bf16 matmuls (AVX512-BF16/AMX) measure faster than "
+                   "fp32's for a model at least 1024 wide; fp32 elsewhere")
+
+
 # bf16 must measure at least this many times fp32's matmul speed for `auto` to pick it on a CPU
 BF16_MIN_SPEEDUP = 1.2
 

@@ -365,8 +365,8 @@ class LLM:
 
     `model`: a preset name, an HF-format checkpoint directory, or a built `Transformer` (then pass
     `tokenizer`, default the byte tokenizer). `dtype` for a loaded model: "auto" (bf16 where the
-    hardware runs it natively, else fp32), "bf16", "fp32" or a torch dtype. Other keyword arguments
-    are `EngineConfig` fields."""
+    hardware runs it fast for this model's width: model/precision.resolve_dtype), "bf16", "fp32" or a
+    torch dtype. Other keyword arguments are `EngineConfig` fields."""
 
     def __init__(self, model: str | Transformer = "tiny", tokenizer=None, dtype: str | torch.dtype = "auto",
                  **engine_kwargs):

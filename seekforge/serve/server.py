@@ -29,6 +29,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from seekforge.model.precision import AUTO_DTYPE_HELP
 from seekforge.probe.trace import OnDemandTracer, StepTimer
 from seekforge.serve import limits
 from seekforge.serve.engine import AsyncEngine, RequestOutput, chat_prompt_ids
@@ -481,8 +482,7 @@ def add_arguments(p):
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
-                   help="auto: bfloat16 on GPUs and on CPUs whose native bf16 matmuls (AVX512-BF16/AMX) "
-                        "measure faster than float32 and a model at least 1024 wide, else float32")
+                   help=f"auto: {AUTO_DTYPE_HELP}")
     p.add_argument("--kv-cache-memory", default="512MiB", help="memory for the paged latent KV cache")
     p.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default="auto",
                    help="int8: cache c_kv and k_pe per token in int8 with an fp32 scale (about 1/2 of bf16's bytes)")
