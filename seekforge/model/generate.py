@@ -12,7 +12,7 @@ import torch
 
 from seekforge.model.load import load_model, model_width
 from seekforge.model.model import LatentCache, Transformer
-from seekforge.model.precision import AUTO_DTYPE_HELP, resolve_dtype
+from seekforge.model.precision import auto_dtype_help, resolve_dtype
 
 
 def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
@@ -72,7 +72,7 @@ def add_arguments(p):
     p.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
-                   help=f"auto: {AUTO_DTYPE_HELP}")
+                   help=f"auto: {auto_dtype_help()}")
 
 
 def run(args):

@@ -10,7 +10,7 @@ each dtype (once per process, ~50 ms) and keeps bf16 only where it measured at l
 near that ratio the pick can differ between runs — give bf16 or fp32 for a fixed one. Under torchrun
 (WORLD_SIZE > 1) the flags alone decide, so that every rank picks the same dtype. Nor does a fast 1024³
 probe speak for a narrow model's small matmuls: given the model's width, `auto` keeps fp32 on a CPU below
-CPU_MIN_BF16_HIDDEN.
+CPU_MIN_BF16_HIDDEN (inference) or CPU_MIN_BF16_HIDDEN_TRAINING (training).
 
 SEEKFORGE_CPU_BF16=0 (or 1) overrides the CPU detection, e.g. to try the fp32 path on a bf16 machine.
 torch's own ATEN_CPU_CAPABILITY=avx2 also counts as a CPU without native bf16.
@@ -36,9 +36,11 @@ def cpu_has_native_bf16() -> bool:
     return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
-# What `auto` means, for --help texts and messages (resolve_dtype is the rule itself).
-AUTO_DTYPE_HELP = ("bf16 on GPUs, and on CPUs whose native bf16 matmuls (AVX512-BF16/AMX) measure faster than "
-                   "fp32's for a model at least 1024 wide; fp32 elsewhere")
+def auto_dtype_help(training: bool = False) -> str:
+    """What `auto` means, for --help texts and messages (resolve_dtype is the rule itself)."""
+    width = CPU_MIN_BF16_HIDDEN_TRAINING if training else CPU_MIN_BF16_HIDDEN
+    return ("bf16 on GPUs, and on CPUs whose native bf16 matmuls (AVX512-BF16/AMX) measure faster than fp32's "
+            f"for a model at least {width} wide; fp32 elsewhere")
 
 
 # bf16 must measure at least this many times fp32's matmul speed for `auto` to pick it on a CPU
@@ -77,27 +79,34 @@ def _ranks() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-# Below this width `auto` keeps fp32 on a CPU even when its bf16 matmuls are fast: the matmuls are too
-# small for the bf16 kernels to outrun fp32, and the casts around them remain. Measured on an AMX CPU whose
-# 1024³ bf16 matmul ran 3.84x fp32's (2 threads): the default pretrain (hidden 192) took 164 s in bf16
-# against 81 s in fp32 (2.7 vs 0.8 GB of peak RSS), and its checkpoint served 3,634 vs 6,496 tok/s; the
-# `small` preset (hidden 512) trained at 1,157-1,237 vs 1,541 tok/s and served 1,381 vs 1,540 tok/s (batch
-# 1: 8.66 vs 5.33 ms/token); the built-in GRPO base (hidden 128): 3.3 s of CPU per iteration vs 1.3.
+# Below these widths `auto` keeps fp32 on a CPU even when its bf16 matmuls are fast: the matmuls are too
+# small for the bf16 kernels to outrun fp32 (oneDNN, which runs them, also costs ~30 µs a call against
+# ~10 µs for MKL's fp32 at one row), and the casts around them remain. Measured on an AMX CPU whose 1024³
+# bf16 matmul ran 3.6-4x fp32's (2 threads), after the experts' row counts were bucketed (model/moe.py
+# BucketedRows): the `small` preset (hidden 512) trained at 2,412 vs ~1,450 tok/s in bf16 vs fp32, but served
+# at 840 vs 669 tok/s with batch-1 decode at 12.9-15.8 vs 10.3-10.5 ms/token, and a GRPO iteration on it
+# (mostly rollout) took 10.8 vs 9.8 s; the default pretrain (hidden 192) took 81 vs 95 s, ending at a worse
+# loss (eval 0.236 vs 0.226) with 1.5x the peak RSS. So training goes bf16 from 512 wide, inference
+# (serving, generation, GRPO's rollout-bound iterations) from 1024.
 CPU_MIN_BF16_HIDDEN = 1024
+CPU_MIN_BF16_HIDDEN_TRAINING = 512
 
 
-def resolve_dtype(name: str, device: str | torch.device = "cpu",
-                  hidden_size: int | None = None) -> tuple[torch.dtype, str]:
+def resolve_dtype(name: str, device: str | torch.device = "cpu", hidden_size: int | None = None,
+                  training: bool = False) -> tuple[torch.dtype, str]:
     """'auto' | 'bf16' | 'fp32' (also 'bfloat16' / 'float32') → (dtype, a line saying why). hidden_size:
-    the model's width, when known — on a CPU, `auto` keeps fp32 below CPU_MIN_BF16_HIDDEN."""
+    the model's width, when known — on a CPU, `auto` keeps fp32 below CPU_MIN_BF16_HIDDEN, or below
+    CPU_MIN_BF16_HIDDEN_TRAINING for `training` (a pretraining run's forward + backward)."""
     name = {"bfloat16": "bf16", "float32": "fp32"}.get(name, name)
     if name in DTYPES:
         return DTYPES[name], f"{name} (asked for)"
     if name != "auto":
         raise ValueError(f"dtype {name!r} is not one of auto, bf16, fp32")
-    if torch.device(device).type == "cpu" and hidden_size is not None and hidden_size < CPU_MIN_BF16_HIDDEN:
-        return torch.float32, (f"fp32 (auto: hidden_size {hidden_size} < {CPU_MIN_BF16_HIDDEN}, where a CPU's "
-                               f"bf16 matmuls do not beat fp32's; --dtype bf16 to force)")
+    min_width = CPU_MIN_BF16_HIDDEN_TRAINING if training else CPU_MIN_BF16_HIDDEN
+    if torch.device(device).type == "cpu" and hidden_size is not None and hidden_size < min_width:
+        work = "training" if training else "inference"
+        return torch.float32, (f"fp32 (auto: hidden_size {hidden_size} < {min_width}, where a CPU's bf16 {work} "
+                               f"does not beat fp32's; --dtype bf16 to force)")
     dtype = auto_dtype(device)
     if torch.device(device).type == "cuda":
         why = "GPU"

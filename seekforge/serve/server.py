@@ -29,7 +29,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from seekforge.model.precision import AUTO_DTYPE_HELP
+from seekforge.model.precision import auto_dtype_help
 from seekforge.probe.trace import OnDemandTracer, StepTimer
 from seekforge.serve import limits
 from seekforge.serve.engine import AsyncEngine, RequestOutput, chat_prompt_ids
@@ -482,7 +482,7 @@ def add_arguments(p):
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
-                   help=f"auto: {AUTO_DTYPE_HELP}")
+                   help=f"auto: {auto_dtype_help()}")
     p.add_argument("--kv-cache-memory", default="512MiB", help="memory for the paged latent KV cache")
     p.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default="auto",
                    help="int8: cache c_kv and k_pe per token in int8 with an fp32 scale (about 1/2 of bf16's bytes)")

@@ -14,7 +14,7 @@ import argparse
 from pathlib import Path
 
 from seekforge.config import TrainConfig, parse_parallel
-from seekforge.model.precision import AUTO_DTYPE_HELP
+from seekforge.model.precision import auto_dtype_help
 from seekforge.train.config_file import load_train_config, parse_overrides
 
 # Flags for the common fields: (flag, TrainConfig field, type). Everything else: --set key=value.
@@ -27,7 +27,8 @@ _FLAGS = [
     ("--grad-accum", "grad_accum", int, "micro-batches per optimizer step"),
     ("--lr", "lr", float, "peak learning rate"),
     ("--schedule", "schedule", str, "cosine | wsd (warmup-stable-decay)"),
-    ("--dtype", "dtype", str, f"auto ({AUTO_DTYPE_HELP}) | bf16 (bf16 weights over fp32 master weights) | fp32"),
+    ("--dtype", "dtype", str,
+     f"auto ({auto_dtype_help(training=True)}) | bf16 (bf16 weights over fp32 master weights) | fp32"),
     ("--recompute", "recompute", str, "activation recompute: none | full | selective"),
     ("--seed", "seed", int, "model init and data order"),
     ("--out-dir", "out_dir", str, "run directory"),
