@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from seekforge.config import ModelConfig
+from seekforge.model.precision import onednn
 from seekforge.quant.schemes import quantize_activation
 
 
@@ -64,6 +65,17 @@ class DenseStep:
     capacity: int  # tokens per dense row
     context_len: int  # Sd: the longest decode context this step (rows read [0, Sd), the mask hides the rest)
     write_index: torch.Tensor | None  # (Nd,) int64 row · capacity + position: where this step's latents go
+
+
+# Dense decode rows are read in spans of this many tokens where oneDNN runs attention (PagedLatentCache)
+DENSE_SPAN = 64
+
+
+def _mask_width(mask: torch.Tensor, width: int) -> torch.Tensor:
+    """A key mask (..., S) cut, or extended with False, to (..., width)."""
+    if mask.shape[-1] >= width:
+        return mask[..., :width]
+    return torch.cat([mask, mask.new_zeros(*mask.shape[:-1], width - mask.shape[-1])], dim=-1)
 
 
 class DenseRows:
@@ -153,6 +165,10 @@ class PagedLatentCache:
         self.layer = layer  # names this layer's dense rows in the scratch
         self.kv_b_name = kv_b_name  # this layer's kv_b_proj, which a LoRA adapter may target (lora.py)
         self.dtype = dtype  # of the latents attention reads
+        # oneDNN runs a CPU's bf16/fp16 matmuls and builds a kernel per new shape (~2 ms): a decode context
+        # growing by one token a step would build two each step, so the dense rows are read in spans of
+        # DENSE_SPAN tokens there (the mask hides the tail). MKL (fp32) builds nothing: exact spans.
+        self.span_multiple = DENSE_SPAN if torch.device(device).type == "cpu" and dtype != torch.float32 else 1
         store = torch.int8 if int8 else dtype
         self.c_kv = torch.zeros(num_blocks, block_size, cfg.kv_lora_rank, dtype=store, device=device)
         self.k_pe = torch.zeros(num_blocks, block_size, cfg.qk_rope_head_dim, dtype=store, device=device)
@@ -162,7 +178,13 @@ class PagedLatentCache:
         self.metadata: AttentionMetadata | None = None
 
     def attend(self, attn, q_nope, q_pe, c_kv, k_pe):
-        """q_nope (1, T, nh, dn), q_pe (1, T, nh, dr), c_kv (1, T, r), k_pe (1, T, dr) → (1, T, nh·dv)."""
+        """q_nope (1, T, nh, dn), q_pe (1, T, nh, dr), c_kv (1, T, r), k_pe (1, T, dr) → (1, T, nh·dv).
+        Always on oneDNN, which reads the cached latents fastest (precision.onednn), whatever kernels the
+        step's linear layers run on."""
+        with onednn(True):
+            return self._attend(attn, q_nope, q_pe, c_kv, k_pe)
+
+    def _attend(self, attn, q_nope, q_pe, c_kv, k_pe):
         md = self.metadata
         r, dr = self.c_kv.shape[-1], self.k_pe.shape[-1]
         self._write(self.c_kv, self.c_kv_scale, md.slot_mapping, c_kv[0])
@@ -174,7 +196,7 @@ class PagedLatentCache:
             if md.dense is not None:
                 latents = self._dense(md, nd, c_kv[0, :nd], k_pe[0, :nd])  # (Nd, Sd, r + dr)
                 ctx_c_kv, ctx_k_pe = latents[..., :r], latents[..., r:]
-                mask = md.decode_mask[..., :md.dense.context_len]
+                mask = _mask_width(md.decode_mask, latents.shape[1])
             else:
                 tables = md.decode_block_tables
                 ctx_c_kv = self._read("c_kv", tables.flatten()).view(nd, -1, r)  # (Nd, Sd, r)
@@ -223,7 +245,8 @@ class PagedLatentCache:
         else:
             latents = torch.cat([self._as_stored(c_kv, self.c_kv_scale), self._as_stored(k_pe, self.k_pe_scale)], -1)
             dense.view(-1, width).index_copy_(0, step.write_index, latents)
-        return dense[:nd, :step.context_len]
+        span = min(step.capacity, -(-step.context_len // self.span_multiple) * self.span_multiple)
+        return dense[:nd, :span]
 
     def _as_stored(self, x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
         """x (T, ·) as a read of the pool returns it: int8 pools round it through int8 (as _read does)."""

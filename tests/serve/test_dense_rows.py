@@ -1,10 +1,14 @@
 """Dense decode rows (kv_cache.DenseRows) against the per-step gather of the pool they replace."""
 
+import copy
+
 import pytest
 import torch
 
+import seekforge.serve.kv_cache as kv_cache
+from seekforge.model.precision import onednn
 from seekforge.serve.engine import LLM
-from seekforge.serve.kv_cache import DenseRows
+from seekforge.serve.kv_cache import DenseRows, _mask_width
 from seekforge.serve.sequence import SamplingParams
 
 
@@ -61,3 +65,37 @@ def test_dense_decode_equals_gather(tiny_model, byte_tokenizer, kv_cache_dtype):
         for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
             torch.testing.assert_close(torch.tensor([lp for _, lp in x["top"]]),
                                        torch.tensor([lp for _, lp in y["top"]]), rtol=0, atol=1e-5)
+
+
+def test_bf16_cpu_decode_kernels_match(tiny_model, byte_tokenizer, monkeypatch):
+    """A bf16 model on a CPU decodes one-token steps with its linear layers on torch's own kernels
+    (precision.onednn) and reads its dense rows in spans of DENSE_SPAN tokens: the same greedy tokens,
+    and logprobs within bf16 rounding, as oneDNN everywhere with exact spans; at batch 1 and batch 4."""
+    model = copy.deepcopy(tiny_model).to(torch.bfloat16)
+    prompts = [list(range(3 + 5 * i, 20 + 7 * i)) for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=70, ignore_eos=True, logprobs=2)  # past one span
+    results = {}
+    for new in (True, False):
+        monkeypatch.setattr(kv_cache, "DENSE_SPAN", 64 if new else 1)
+        llm = LLM(model, byte_tokenizer, block_size=8, num_kv_blocks=200, max_num_seqs=4)
+        assert llm.engine.runner.one_row_native and llm.engine.runner.caches[0].span_multiple == (64 if new else 1)
+        llm.engine.runner.one_row_native = new
+        results[new] = llm.generate(prompts[:1], params) + llm.generate(prompts, params)
+    for a, b in zip(results[True], results[False], strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            torch.testing.assert_close(torch.tensor([lp for _, lp in x["top"]]),
+                                       torch.tensor([lp for _, lp in y["top"]]), rtol=0, atol=2e-2)
+
+
+def test_onednn_switch_restores_and_masks_widen():
+    before = torch._C._get_mkldnn_enabled()
+    with onednn(False):
+        assert not torch._C._get_mkldnn_enabled()
+        with onednn(True):
+            assert torch._C._get_mkldnn_enabled()
+        assert not torch._C._get_mkldnn_enabled()
+    assert torch._C._get_mkldnn_enabled() == before
+    mask = torch.tensor([[True, True, False]])
+    assert _mask_width(mask, 2).tolist() == [[True, True]]
+    assert _mask_width(mask, 5).tolist() == [[True, True, False, False, False]]
