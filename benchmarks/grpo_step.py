@@ -1,9 +1,11 @@
 """One GRPO iteration: seekforge's GRPOTrainer vs TRL's GRPOTrainer, same model, same settings.
 
 An iteration = rollout of 8 prompts × G = 8 completions of up to 128 new tokens (temperature 1) +
-rewards + the training phase (one optimizer step, dapo loss, β = 0). Both sides compute in the same
-dtype: `--dtype auto` (the default) is bf16 autocast over fp32 master weights where the CPU runs bf16
-matmuls natively (AVX512-BF16/AMX; TRL: `bf16=True`), fp32 elsewhere. Same model (the
+rewards + the training phase (one optimizer step, dapo loss, β = 0). `--dtype auto` (the default) is
+what `seekforge grpo` picks for the model: the training dtype and the rollout dtype can differ (on a CPU
+with native bf16, a model 512-1023 wide trains in bf16 autocast over fp32 master weights and generates in
+fp32: model/precision.py). TRL has one dtype for both phases (`bf16=True` or not), so it runs in each
+dtype seekforge uses and its faster run is compared. Same model (the
 `small` preset without MTP, random weights, saved once as an HF checkpoint both sides load), same
 byte-level tokenizer (a tokenizer.json both sides read), same prompts (the arithmetic task's), same
 reward (exact answer). Random weights rarely emit end-of-sequence, so both sides generate close to
@@ -33,6 +35,8 @@ from pathlib import Path
 
 import torch
 from machine import dtype_arg, machine_header  # benchmarks/machine.py
+
+from seekforge.model.precision import resolve_dtype
 
 PROMPTS, G, MAX_NEW = 8, 8, 128
 
@@ -165,30 +169,40 @@ def main():
         torch.set_num_threads(args.threads)
     from seekforge.config import preset
 
-    dtype, _ = machine_header(args.dtype, hidden_size=preset(args.preset).hidden_size)
-    args.dtype = "bf16" if dtype == torch.bfloat16 else "fp32"  # both sides get the resolved dtype
+    width = preset(args.preset).hidden_size
+    train_dtype, _ = machine_header(args.dtype, hidden_size=width, training=True)
+    rollout_dtype, why = resolve_dtype(args.dtype, hidden_size=width)
+    name = {torch.bfloat16: "bf16", torch.float32: "fp32"}
+    if rollout_dtype != train_dtype:
+        print(f"rollouts: {why}")
+    # TRL has one dtype for both phases (bf16=True: autocast over everything): it runs in each dtype that
+    # seekforge uses, and its faster run is the one compared.
+    trl_dtypes = sorted({name[train_dtype], name[rollout_dtype]})
     print(f"preset {args.preset} (no MTP), {PROMPTS} prompts x G={G}, up to {MAX_NEW} new tokens, one optimizer "
-          f"step; both sides in {args.dtype}")
+          f"step; seekforge trains in {name[train_dtype]} and generates in {name[rollout_dtype]}; TRL in "
+          f"{' and in '.join(trl_dtypes)}")
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         prepare(workdir, args.preset)
         results = {}
-        for which in ("seekforge", "seekforge-noswap", "trl"):
-            cmd = [sys.executable, __file__, "--child", which, "--workdir", tmp, "--dtype", args.dtype]
+        runs = [("seekforge", args.dtype), ("seekforge-noswap", args.dtype), *(("trl", d) for d in trl_dtypes)]
+        for which, dtype in runs:
+            cmd = [sys.executable, __file__, "--child", which, "--workdir", tmp, "--dtype", dtype]
             if args.threads:
                 cmd += ["--threads", str(args.threads)]
             out = subprocess.run(cmd, capture_output=True, text=True)
             lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
             if out.returncode or not lines:
                 sys.exit(f"{which} failed:\n{out.stderr[-3000:]}")
-            results[which] = json.loads(lines[-1].removeprefix("RESULT "))
-            r = results[which]
+            label = f"trl ({dtype})" if which == "trl" else which
+            r = results[label] = json.loads(lines[-1].removeprefix("RESULT "))
             extra = f" (rollout {r['rollout_s']:.1f}s, training {r['train_s']:.1f}s)" if "rollout_s" in r else ""
-            print(f"{which:>17}: {r['seconds']:.1f}s{extra}, {r['completion_tokens']:.0f} completion tokens, "
+            print(f"{label:>17}: {r['seconds']:.1f}s{extra}, {r['completion_tokens']:.0f} completion tokens, "
                   f"peak RSS {r['peak_rss_mib']:.0f} MiB")
-    sf, trl = results["seekforge"], results["trl"]
-    print(f"speed-up vs TRL GRPOTrainer: {trl['seconds'] / sf['seconds']:.2f}x; memory swap saves "
-          f"{results['seekforge-noswap']['peak_rss_mib'] - sf['peak_rss_mib']:.0f} MiB of peak RSS")
+    sf = results["seekforge"]
+    trl_label, trl = min(((k, v) for k, v in results.items() if k.startswith("trl")), key=lambda kv: kv[1]["seconds"])
+    print(f"speed-up vs TRL GRPOTrainer (its faster run, {trl_label}): {trl['seconds'] / sf['seconds']:.2f}x; "
+          f"memory swap saves {results['seekforge-noswap']['peak_rss_mib'] - sf['peak_rss_mib']:.0f} MiB of peak RSS")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from torch import nn
 
 from seekforge.config import ModelConfig, rope_type, yarn_factor, yarn_get_mscale
 from seekforge.model.moe import MLP, MoE
+from seekforge.model.precision import matmul_dtype, onednn_size, uses_onednn
 
 
 class RMSNorm(nn.Module):
@@ -396,7 +397,8 @@ class DocumentLayout:
     all real; the padded queries' outputs are never gathered back. Every token belongs to exactly one
     document (a run of equal segment ids within a row)."""
 
-    def __init__(self, segment_ids: torch.Tensor):
+    def __init__(self, segment_ids: torch.Tensor, round_len=None):
+        """round_len: L → the L to lay out (≥ L), e.g. precision.onednn_size for shapes that repeat."""
         b, t = segment_ids.shape
         flat = segment_ids.flatten()  # (B·T,)
         starts = torch.ones_like(flat, dtype=torch.bool)
@@ -405,6 +407,8 @@ class DocumentLayout:
         document = starts.cumsum(0) - 1  # (B·T,) document of each token
         first = starts.nonzero().squeeze(1)  # (D,) flat index of each document's first token
         self.max_len = int(torch.bincount(document).max())  # L
+        if round_len is not None:
+            self.max_len = round_len(self.max_len)
         self.num_documents, self.shape = len(first), (b, t)
         position = torch.arange(b * t, device=flat.device)
         # token → its slot in the padded (D·L) layout, and slot → token (padding slots read token 0)
@@ -470,7 +474,10 @@ class Transformer(nn.Module):
             start = kv_caches[0].length if kv_caches is not None else 0
             positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
         cos, sin = self.rotary(positions)
-        mask = None if segment_ids is None else DocumentLayout(segment_ids)
+        mask = None
+        if segment_ids is not None:  # on oneDNN, document lengths from a small set: its kernels are built once
+            onednn_shapes = uses_onednn(input_ids.device, matmul_dtype(self.embed_tokens.weight))
+            mask = DocumentLayout(segment_ids, onednn_size if onednn_shapes else None)
         x = self.embed_tokens(input_ids)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, mask, None if kv_caches is None else kv_caches[i])

@@ -3,8 +3,9 @@
 A GRPO batch mixes short and long completions; padding every sequence to the longest (TRL's layout)
 spends most of a step's FLOPs on padding. Here sequences are packed into rows of at most
 `max_pack_tokens` tokens and `max_pack_count` sequences, first-fit decreasing, and each row is one
-forward (B = 1): no padding at all. Inside a row every sequence has its own positions from 0 and its
-own segment id, and the model's `document_mask(segment_ids)` makes attention block-diagonal causal,
+forward (B = 1): no padding (bf16 on a CPU pads a row by ≤ 12.5%: `pad_row`). Inside a row every sequence
+has its own positions from 0 and its own segment id, and the model's `document_mask(segment_ids)` makes
+attention block-diagonal causal,
 so each sequence's logits are those of its own unpacked forward (tests/rl/test_packing.py).
 Sequences are never cut: one longer than max_pack_tokens gets a row of its own.
 
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from seekforge.model.precision import matmul_dtype, onednn_size, uses_onednn
 from seekforge.rl.algorithm import token_log_probs
 
 
@@ -75,6 +77,22 @@ def pack_sequences(prompts: list[list[int]], completions: list[list[int]], max_p
     return rows
 
 
+def pad_row(row: PackedRow, length: int) -> PackedRow:
+    """`row` with a padding document appended up to `length` tokens (token 0 at positions 0, 1, …, its
+    own segment, nothing scored). Attention stays within documents and nothing reads the padding's
+    outputs, so every scored token's log-prob and gradient are unchanged; the row's shape is `length`
+    (the trainer rounds rows up to sizes whose kernels oneDNN has already built: precision.onednn_size)."""
+    extra = length - row.input_ids.shape[1]
+    if extra <= 0:
+        return row
+    segment = int(row.segment_ids[0, -1]) + 1
+    return PackedRow(input_ids=torch.cat([row.input_ids, row.input_ids.new_zeros(1, extra)], dim=1),
+                     positions=torch.cat([row.positions, torch.arange(extra)[None]], dim=1),
+                     segment_ids=torch.cat([row.segment_ids, torch.full((1, extra), segment)], dim=1),
+                     score_index=row.score_index, targets=row.targets, sequence_of_token=row.sequence_of_token,
+                     sequences=row.sequences)
+
+
 def empty_row() -> PackedRow:
     """A one-token row that scores nothing: its forward and backward run every collective a sharded
     model's real rows run (FSDP: one all-gather and reduce-scatter per group) and add nothing, so a rank
@@ -90,6 +108,9 @@ def row_log_probs(model, row: PackedRow) -> tuple[torch.Tensor, torch.Tensor]:
     the final norm and the head: the prompt's logits are never needed."""
     device = model.embed_tokens.weight.device
     h, _, _ = model.hidden(row.input_ids.to(device), row.positions.to(device), row.segment_ids.to(device))
-    h = h[0, row.score_index.to(device)]  # (C, H)
-    logits = model.lm_head(model.norm(h))  # (C, V)
+    index = row.score_index.to(device)
+    scored = len(index)
+    if uses_onednn(device, matmul_dtype(model.lm_head.weight)):  # the head's rows: a size oneDNN has built for
+        index = torch.cat([index, index.new_zeros(onednn_size(scored) - scored)])
+    logits = model.lm_head(model.norm(h[0, index]))[:scored]  # (C, V)
     return token_log_probs(logits, row.targets.to(device))

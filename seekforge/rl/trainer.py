@@ -32,13 +32,13 @@ from tqdm import tqdm
 from seekforge.config import EngineConfig, TrainConfig
 from seekforge.data.corpora import ArithmeticTask, check_answer
 from seekforge.model.dtensor import plain_tensor
-from seekforge.model.precision import resolve_dtype
+from seekforge.model.precision import onednn_size, resolve_dtype, uses_onednn
 from seekforge.parallel.fsdp import apply_fsdp
 from seekforge.probe.training import TrainingProbe
 from seekforge.rl.algorithm import BatchTotals, group_advantages
 from seekforge.rl.balance import balance_groups
 from seekforge.rl.config import GRPOConfig
-from seekforge.rl.packing import empty_row, pack_sequences
+from seekforge.rl.packing import empty_row, pack_sequences, pad_row
 from seekforge.rl.rewards import RewardSet
 from seekforge.rl.rollout import Rollout, offload
 from seekforge.rl.update import LossSettings, TrainingBatch, accumulate_gradients, sequence_log_probs
@@ -101,16 +101,22 @@ class GRPOTrainer:
         # GRPO trains the next-token head only: MTP modules get no gradient, so they are not trained
         # (and the optimizer keeps no state for them, which a checkpoint's optimizer state must match).
         policy.mtp.requires_grad_(False)
-        # The compute dtype: bf16 autocast over the fp32 master weights where the hardware runs bf16
-        # matmuls natively (model/precision.py). The engine generates on the policy's own tensors when
-        # it can; on a replica in the compute dtype (bf16) or when the policy is FSDP-sharded (under
-        # torchrun), refreshed in place from the policy after every update (no file).
-        self.compute_dtype, self.dtype_reason = resolve_dtype(cfg.dtype, self.device, policy.cfg.hidden_size)
+        # Two dtypes, each what `auto` picks for its work (model/precision.py): training computes in
+        # compute_dtype (bf16: autocast over the fp32 master weights), rollouts in rollout_dtype. On a
+        # CPU with native bf16 a model 512-1023 wide trains faster in bf16 but decodes faster in fp32.
+        # The engine generates on the policy's own tensors when it can; on a replica in the rollout dtype
+        # (bf16) or when the policy is FSDP-sharded (under torchrun), refreshed in place from the policy
+        # after every update (no file).
+        width = policy.cfg.hidden_size
+        self.compute_dtype, train_why = resolve_dtype(cfg.dtype, self.device, width, training=True)
+        self.rollout_dtype, rollout_why = resolve_dtype(cfg.dtype, self.device, width)
+        self.dtype_reason = train_why if self.compute_dtype == self.rollout_dtype else \
+            f"training {train_why}; rollouts {rollout_why}"
         self.sharded = _distributed() and cfg.fsdp
         self._replica_plan = None  # (transfers, source dtypes) from the FSDP policy to the replica
         self.engine_model = policy
-        if self.sharded or self.compute_dtype != policy.embed_tokens.weight.dtype:
-            self.engine_model = copy.deepcopy(policy).requires_grad_(False).to(self.compute_dtype)
+        if self.sharded or self.rollout_dtype != policy.embed_tokens.weight.dtype:
+            self.engine_model = copy.deepcopy(policy).requires_grad_(False).to(self.rollout_dtype)
         if self.sharded:
             shard_policy(policy)
         schedule = TrainConfig(preset="tiny", lr=cfg.lr, min_lr=cfg.lr, warmup=cfg.warmup, steps=cfg.steps * cfg.mu,
@@ -225,6 +231,8 @@ class GRPOTrainer:
         seqs = [g * G + j for g in self._my_groups(group_tokens) for j in range(G)]  # this rank trains these
         rows = pack_sequences([prompt_ids[i // G] for i in seqs], [completions[i] for i in seqs],
                               cfg.max_pack_tokens, cfg.max_pack_count)
+        if uses_onednn(self.device, self.compute_dtype):  # row lengths from a small set: kernels built once
+            rows = [pad_row(row, onednn_size(row.input_ids.shape[1])) for row in rows]
         if self.sharded:  # FSDP: every rank runs as many forwards (its collectives)
             rows += [empty_row()] * (_max_over_ranks(len(rows)) - len(rows))
         lengths = [len(c) for c in completions]

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from seekforge.config import ModelConfig
-from seekforge.model.precision import onednn
+from seekforge.model.precision import onednn, uses_onednn
 from seekforge.quant.schemes import quantize_activation
 
 
@@ -165,10 +165,10 @@ class PagedLatentCache:
         self.layer = layer  # names this layer's dense rows in the scratch
         self.kv_b_name = kv_b_name  # this layer's kv_b_proj, which a LoRA adapter may target (lora.py)
         self.dtype = dtype  # of the latents attention reads
-        # oneDNN runs a CPU's bf16/fp16 matmuls and builds a kernel per new shape (~2 ms): a decode context
-        # growing by one token a step would build two each step, so the dense rows are read in spans of
-        # DENSE_SPAN tokens there (the mask hides the tail). MKL (fp32) builds nothing: exact spans.
-        self.span_multiple = DENSE_SPAN if torch.device(device).type == "cpu" and dtype != torch.float32 else 1
+        # On oneDNN (precision.uses_onednn) a decode context growing by one token a step would build two
+        # kernels each step: the dense rows are read in spans of DENSE_SPAN tokens there (the mask hides the
+        # tail). Elsewhere exact spans.
+        self.span_multiple = DENSE_SPAN if uses_onednn(device, dtype) else 1
         store = torch.int8 if int8 else dtype
         self.c_kv = torch.zeros(num_blocks, block_size, cfg.kv_lora_rank, dtype=store, device=device)
         self.k_pe = torch.zeros(num_blocks, block_size, cfg.qk_rope_head_dim, dtype=store, device=device)

@@ -249,7 +249,8 @@ def test_packed_documents_equal_separate_runs():
                                                                  [5] * 3 + [6] * 13]])
 def test_document_layout_attention_equals_dense_mask(segments):
     """Attention over the padded per-document layout equals the block-diagonal mask over whole rows,
-    forward and backward (rows of different document counts, one-token documents, one document)."""
+    forward and backward (rows of different document counts, one-token documents, one document), also
+    with the documents laid out longer than the longest (round_len: what oneDNN's shapes get)."""
     cfg = preset("tiny")
     attn = build_model(cfg).layers[0].self_attn
     segment_ids = torch.tensor(segments)
@@ -257,14 +258,15 @@ def test_document_layout_attention_equals_dense_mask(segments):
     inputs = [torch.randn(b, t, nh, cfg.qk_nope_head_dim), torch.randn(b, t, nh, cfg.qk_rope_head_dim),
               torch.randn(b, t, cfg.kv_lora_rank), torch.randn(b, t, cfg.qk_rope_head_dim)]
     results = []
-    for mask in (document_mask(segment_ids), DocumentLayout(segment_ids)):
+    for mask in (document_mask(segment_ids), DocumentLayout(segment_ids), DocumentLayout(segment_ids, lambda n: n + 3)):
         leaves = [x.clone().requires_grad_() for x in inputs]
         out = attn.attend_naive(*leaves, mask=mask, is_causal=True)
         out.backward(torch.linspace(-1, 1, out.numel()).view_as(out))
         results.append([out.detach(), *(x.grad for x in leaves), attn.kv_b_proj.weight.grad.clone()])
         attn.kv_b_proj.weight.grad = None
-    for layout_value, dense_value in zip(*results[::-1], strict=True):
-        torch.testing.assert_close(layout_value, dense_value, atol=1e-5, rtol=1e-5)
+    for layout in results[1:]:
+        for layout_value, dense_value in zip(layout, results[0], strict=True):
+            torch.testing.assert_close(layout_value, dense_value, atol=1e-5, rtol=1e-5)
 
 
 def test_meta_init_allocates_nothing():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from seekforge.rl.algorithm import BatchTotals, policy_loss, token_log_probs, token_weights
-from seekforge.rl.packing import pack_bins, pack_sequences, row_log_probs
+from seekforge.rl.packing import pack_bins, pack_sequences, pad_row, row_log_probs
 from seekforge.rl.update import LossSettings, accumulate_gradients
 from tests.rl.conftest import tiny_model
 
@@ -50,13 +50,17 @@ def totals_of(completions):
     return BatchTotals(len(completions), sum(map(len, completions)), max(map(len, completions)))
 
 
-def test_packed_log_probs_loss_and_gradients_equal_unpacked(rollout):
+@pytest.mark.parametrize("padded", [False, True])
+def test_packed_log_probs_loss_and_gradients_equal_unpacked(rollout, padded):
+    """padded: each row with a padding document appended (pad_row, what bf16 on a CPU rounds rows up with)."""
     prompts, completions, batch = rollout
     totals = totals_of(completions)
     ref_logps, ref_grad = unpacked_loss_and_grad(prompts, completions, batch, totals)
     model = tiny_model()
     rows = pack_sequences(prompts, completions, max_pack_tokens=64, max_pack_count=8)
     assert len(rows) < len(completions)
+    if padded:
+        rows = [pad_row(row, row.input_ids.shape[1] + 13) for row in rows]
     for row in rows:
         logp, _ = row_log_probs(model, row)
         torch.testing.assert_close(logp, torch.cat([ref_logps[i] for i in row.sequences]), rtol=0, atol=1e-5)
@@ -80,3 +84,25 @@ def test_gradient_is_split_invariant(rollout, loss_type):
     for parts in (2, 4):
         diff = (result[parts] - result[1]).norm() / result[1].norm()
         assert diff <= 1e-6, f"{parts} micro-batches: relative gradient difference {diff:.2e}"
+
+
+def test_bf16_rows_in_onednn_sizes_match(rollout):
+    """Under bf16 autocast on a CPU the trainer pads rows, document lengths and the head's rows to sizes
+    oneDNN has built kernels for (precision.onednn_size): log-probs and gradients as without, within bf16
+    rounding."""
+    from seekforge.model.precision import onednn_size
+
+    prompts, completions, batch = rollout
+    results = []
+    for padded in (False, True):
+        model = tiny_model()
+        rows = pack_sequences(prompts, completions, max_pack_tokens=64, max_pack_count=8)
+        if padded:
+            rows = [pad_row(row, onednn_size(row.input_ids.shape[1]) + 7) for row in rows]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logps = [row_log_probs(model, row)[0] for row in rows]
+            accumulate_gradients(model, rows, batch, totals_of(completions), SETTINGS)
+        results.append((torch.cat(logps), grads(model)))
+    (logp, grad), (padded_logp, padded_grad) = results
+    torch.testing.assert_close(padded_logp, logp, rtol=0, atol=2e-2)
+    assert (padded_grad - grad).norm() <= 2e-2 * grad.norm()

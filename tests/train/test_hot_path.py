@@ -87,8 +87,9 @@ def test_bucketed_expert_rows_match_reference():
     kernel per new shape), the padding dropped again. Values and gradients equal autograd through
     grouped_mm_reference's exact mms within bf16 rounding; the buckets repeat and waste ≤ 12.5%."""
     from seekforge.model.moe import BucketedRows
+    from seekforge.model.precision import onednn_size
 
-    buckets = [BucketedRows.bucket(n) for n in range(1, 4097)]
+    buckets = [onednn_size(n) for n in range(1, 4097)]
     assert buckets[:64] == list(range(1, 65)) and buckets == sorted(buckets)
     assert all(n <= b <= 1.125 * n for n, b in enumerate(buckets, start=1))
     assert len({b for b in buckets if 1024 < b <= 2048}) == 8  # 8 shapes per doubling
