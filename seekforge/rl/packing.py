@@ -5,8 +5,8 @@ spends most of a step's FLOPs on padding. Here sequences are packed into rows of
 `max_pack_tokens` tokens and `max_pack_count` sequences, first-fit decreasing, and each row is one
 forward (B = 1): no padding (bf16 on a CPU pads a row by ≤ 12.5%: `pad_row`). Inside a row every sequence
 has its own positions from 0 and its own segment id, and the model's `document_mask(segment_ids)` makes
-attention block-diagonal causal,
-so each sequence's logits are those of its own unpacked forward (tests/rl/test_packing.py).
+attention block-diagonal causal, so each sequence's logits are those of its own unpacked forward
+(tests/rl/test_packing.py).
 Sequences are never cut: one longer than max_pack_tokens gets a row of its own.
 
 Shape legend: T tokens of a row, C completion tokens of a row (the tokens that are scored), V vocab.
