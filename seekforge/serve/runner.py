@@ -135,11 +135,11 @@ class Runner:
         self.mtp_caches = [pool() for _ in model.mtp] if config.speculative_tokens else []
         self.lora: LoRAManager | None = LoRAManager(model) if config.enable_lora else None
         # A one-token step of a bf16 model on a CPU runs its linear layers on torch's own bf16 kernels
-        # (precision.onednn: batch-1 decode
-        # 14 vs 16.5 ms/token, hidden 1024 on an AMX CPU); attention over the cache stays on oneDNN
-        # (kv_cache.py). Quantized weights keep their own kernels.
-        self.one_row_native = self.device.type == "cpu" and all(
-            p.dtype == torch.bfloat16 for p in model.parameters() if p.dim() == 2)
+        # (precision.onednn: batch-1 decode 14 vs 16.5 ms/token, hidden 1024 on an AMX CPU); attention
+        # over the cache stays on oneDNN (kv_cache.py). Quantized (integer) weights keep their own kernels;
+        # an fp32 router runs on MKL either way.
+        self.one_row_native = self.device.type == "cpu" and weight.dtype == torch.bfloat16 and all(
+            t.is_floating_point() for t in (*model.parameters(), *model.buffers()) if t.dim() >= 2)
 
     def prepare(self, chunks: list[Chunk], dense: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:

@@ -6,6 +6,8 @@ import pytest
 import torch
 
 import seekforge.serve.kv_cache as kv_cache
+from seekforge.config import preset
+from seekforge.model.model import build_model
 from seekforge.model.precision import onednn
 from seekforge.serve.engine import LLM
 from seekforge.serve.kv_cache import DenseRows, _mask_width
@@ -86,6 +88,9 @@ def test_bf16_cpu_decode_kernels_match(tiny_model, byte_tokenizer, monkeypatch):
         for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
             torch.testing.assert_close(torch.tensor([lp for _, lp in x["top"]]),
                                        torch.tensor([lp for _, lp in y["top"]]), rtol=0, atol=2e-2)
+    # build_model and HF loading keep the routers in fp32: still a bf16 model; fp32 ones are not
+    assert LLM(build_model(preset("tiny"), dtype=torch.bfloat16)).engine.runner.one_row_native
+    assert not LLM(build_model(preset("tiny"))).engine.runner.one_row_native
 
 
 def test_onednn_switch_restores_and_masks_widen():
