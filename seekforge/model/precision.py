@@ -85,10 +85,10 @@ def _ranks() -> int:
 # ~10 µs for MKL's fp32 at one row), and the casts around them remain. Measured on an AMX CPU whose 1024³
 # bf16 matmul ran 3.6-4x fp32's (2 threads), after the experts' row counts were bucketed (model/moe.py
 # BucketedRows): the `small` preset (hidden 512) trained at 2,412 vs ~1,450 tok/s in bf16 vs fp32, but served
-# at 840 vs 669 tok/s with batch-1 decode at 12.9-15.8 vs 10.3-10.5 ms/token, and a GRPO iteration on it
-# (mostly rollout) took 10.8 vs 9.8 s; the default pretrain (hidden 192) took 81 vs 95 s, ending at a worse
-# loss (eval 0.236 vs 0.226) with 1.5x the peak RSS. So training goes bf16 from 512 wide, inference
-# (serving, generation, GRPO's rollout-bound iterations) from 1024.
+# at 840 vs 669 tok/s with batch-1 decode at 12.9-15.8 vs 10.3-10.5 ms/token, and its GRPO rollouts were no
+# faster in bf16 (6.3-7.1 vs 6.1-6.3 s); the default pretrain (hidden 192) took 81 vs 95 s, ending at a worse
+# loss (eval 0.236 vs 0.226) with 1.5x the peak RSS. So training (pretraining, GRPO's training phase) goes
+# bf16 from 512 wide, inference (serving, generation, GRPO's rollouts) from 1024.
 CPU_MIN_BF16_HIDDEN = 1024
 CPU_MIN_BF16_HIDDEN_TRAINING = 512
 
@@ -97,7 +97,7 @@ def resolve_dtype(name: str, device: str | torch.device = "cpu", hidden_size: in
                   training: bool = False) -> tuple[torch.dtype, str]:
     """'auto' | 'bf16' | 'fp32' (also 'bfloat16' / 'float32') → (dtype, a line saying why). hidden_size:
     the model's width, when known — on a CPU, `auto` keeps fp32 below CPU_MIN_BF16_HIDDEN, or below
-    CPU_MIN_BF16_HIDDEN_TRAINING for `training` (a pretraining run's forward + backward)."""
+    CPU_MIN_BF16_HIDDEN_TRAINING for `training` (forward + backward: pretraining, GRPO's training phase)."""
     name = {"bfloat16": "bf16", "float32": "fp32"}.get(name, name)
     if name in DTYPES:
         return DTYPES[name], f"{name} (asked for)"

@@ -63,7 +63,7 @@ class DenseStep:
     rebuild: bool  # True: refill the dense rows from the pool (after this step's writes to it)
     rows: int  # rows to allocate when the tensor is too small (≥ Nd: room for a growing batch)
     capacity: int  # tokens per dense row
-    context_len: int  # Sd: the longest decode context this step (rows read [0, Sd), the mask hides the rest)
+    context_len: int  # the longest decode context this step (rows read up to it or a span past it; masked)
     write_index: torch.Tensor | None  # (Nd,) int64 row · capacity + position: where this step's latents go
 
 
