@@ -106,8 +106,8 @@ def resolve_dtype(name: str, device: str | torch.device = "cpu", hidden_size: in
     min_width = CPU_MIN_BF16_HIDDEN_TRAINING if training else CPU_MIN_BF16_HIDDEN
     if torch.device(device).type == "cpu" and hidden_size is not None and hidden_size < min_width:
         work = "training" if training else "inference"
-        return torch.float32, (f"fp32 (auto: hidden_size {hidden_size} < {min_width}, where a CPU's bf16 {work} "
-                               f"does not beat fp32's; --dtype bf16 to force)")
+        return torch.float32, (f"fp32 (auto: hidden_size {hidden_size} < {min_width}: on a CPU, bf16 {work} pays "
+                               f"from {min_width} wide; --dtype bf16 to force)")
     dtype = auto_dtype(device)
     if torch.device(device).type == "cuda":
         why = "GPU"
