@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 from machine import dtype_arg, machine_header  # benchmarks/machine.py
 
-from seekforge.model.precision import resolve_dtype
+from seekforge.model.precision import DTYPES, resolve_dtype
 
 PROMPTS, G, MAX_NEW = 8, 8, 128
 
@@ -172,7 +172,7 @@ def main():
     width = preset(args.preset).hidden_size
     train_dtype, _ = machine_header(args.dtype, hidden_size=width, training=True)
     rollout_dtype, why = resolve_dtype(args.dtype, hidden_size=width)
-    name = {torch.bfloat16: "bf16", torch.float32: "fp32"}
+    name = {dtype: key for key, dtype in DTYPES.items()}
     if rollout_dtype != train_dtype:
         print(f"rollouts: {why}")
     # TRL has one dtype for both phases (bf16=True: autocast over everything): it runs in each dtype that

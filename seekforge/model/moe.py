@@ -238,10 +238,7 @@ class _ExpertLoopMM(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, counts):
-        rows = BucketedRows.for_mm(x, counts)
-        if rows is not None:  # run the mms on zero-padded rows (saved padded: the backward needs them so)
-            x, counts = rows.pad(x), rows.padded_counts
-        x = x.contiguous()
+        x, counts, rows = _as_run(x, counts)  # saved as run: padded where the mms run padded
         ctx.save_for_backward(x, weight)
         ctx.counts, ctx.rows = counts, rows
         out = _loop_mm(x, weight, counts)
@@ -269,10 +266,16 @@ class _ExpertLoopMM(torch.autograd.Function):
 def expert_loop_mm(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """_ExpertLoopMM's forward: x (S, I) sorted by expert, weight (E, O, I) → (S, O), one mm per expert
     that received tokens, each written straight into its rows."""
+    x, counts, rows = _as_run(x, counts)
+    out = _loop_mm(x, weight, counts)
+    return rows.unpad(out) if rows is not None else out
+
+
+def _as_run(x: torch.Tensor, counts: list[int]) -> tuple[torch.Tensor, list[int], BucketedRows | None]:
+    """x's rows and counts as the expert mms run them: contiguous, zero-padded where oneDNN runs them
+    (BucketedRows; None when not padded)."""
     rows = BucketedRows.for_mm(x, counts)
-    if rows is None:
-        return _loop_mm(x.contiguous(), weight, counts)
-    return rows.unpad(_loop_mm(rows.pad(x), weight, rows.padded_counts))
+    return (x.contiguous(), counts, None) if rows is None else (rows.pad(x), rows.padded_counts, rows)
 
 
 def _loop_mm(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
