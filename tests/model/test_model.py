@@ -6,6 +6,7 @@ import torch
 from seekforge.config import preset
 from seekforge.model.model import DocumentLayout, LatentCache, RMSNorm, build_model, document_mask
 from seekforge.model.moe import (
+    ExpertSlots,
     GroupedExperts,
     LocalDispatcher,
     MoE,
@@ -13,6 +14,7 @@ from seekforge.model.moe import (
     grouped_mm_reference,
     select_experts,
 )
+from seekforge.model.precision import onednn_size
 
 HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")  # the declared torch range starts before it
 
@@ -90,14 +92,56 @@ def test_one_token_experts_equal_dispatch(dtype):
     for seed in range(4):
         x = torch.randn(1, 1, cfg.hidden_size, generator=torch.Generator().manual_seed(seed), dtype=dtype)
         with torch.no_grad():
-            assert moe._one_token(x.view(1, -1))
+            assert moe._plain_inference(x.view(1, -1))
             fast = moe(x)
         with torch.enable_grad():
-            assert not moe._one_token(x.view(1, -1))
+            assert not moe._plain_inference(x.view(1, -1))
             dispatched = moe(x).detach()
         torch.testing.assert_close(fast, dispatched, rtol=0, atol=0)
         if dtype == torch.float32:
             torch.testing.assert_close(fast.view(1, -1), moe_reference(moe, x).detach(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tokens", [8, 64, 300])
+def test_batched_experts_equal_dispatch(tokens):
+    """Inference where oneDNN runs the expert mms (CPU bf16): the padded (E, C) batch of
+    GroupedExperts.forward_batched against the sorted dispatch (the path taken with autograd on), within
+    bf16 rounding (bmm vs per-expert mm round alike, each accumulating in fp32)."""
+    cfg = preset("tiny")
+    moe = build_model(cfg, dtype=torch.bfloat16).layers[1].mlp.eval()
+    x = torch.randn(tokens, cfg.hidden_size, generator=torch.Generator().manual_seed(tokens)).to(torch.bfloat16)
+    with torch.no_grad():
+        weights, indices, _ = moe.gate(x)
+        assert moe._routed_inference(x, weights, indices) is not None  # the batched path is taken
+        fast = moe(x)
+    with torch.enable_grad():
+        dispatched = moe(x).detach()
+    torch.testing.assert_close(fast.float(), dispatched.float(), rtol=2e-2, atol=2e-2)
+    assert (fast.float() - dispatched.float()).abs().mean() < 1e-3
+
+    slots = ExpertSlots(indices, cfg.n_routed_experts)
+    counts = torch.bincount(indices.reshape(-1), minlength=cfg.n_routed_experts)
+    assert slots.cap == onednn_size(int(counts.max()))
+    assert slots.index.unique().numel() == indices.numel()  # one slot per copy
+    torch.testing.assert_close(slots.index // slots.cap, indices.reshape(-1))  # in its expert's rows
+    for e in range(cfg.n_routed_experts):  # at ranks 0, 1, … in copy order
+        torch.testing.assert_close(slots.index[indices.reshape(-1) == e] % slots.cap, torch.arange(int(counts[e])))
+
+
+def test_batched_experts_bounded_padding():
+    """Routing every token to one of many experts would pad the batch E/K-fold: the per-expert loop runs
+    instead (also when oneDNN does not run the mms: fp32)."""
+    cfg = preset("tiny", num_experts_per_tok=1)
+    moe = build_model(cfg, dtype=torch.bfloat16).layers[1].mlp.eval()
+    x = torch.randn(32, cfg.hidden_size).to(torch.bfloat16)
+    with torch.no_grad():
+        moe.gate.e_score_correction_bias[3] = 100.0
+        weights, indices, _ = moe.gate(x)
+        assert (indices == 3).all()
+        assert moe._routed_inference(x, weights, indices) is None  # padding E/K = 8 > MAX_BATCHED_PADDING
+        fp32 = build_model(preset("tiny")).layers[1].mlp.eval()
+        weights, indices, _ = fp32.gate(x.float())
+        assert fp32._routed_inference(x.float(), weights, indices) is None
 
 
 def test_bias_selects_but_does_not_weight():
