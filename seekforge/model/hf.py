@@ -273,9 +273,7 @@ def drop_absent_mtp(cfg: ModelConfig, where: dict[str, Path]) -> ModelConfig:
 
 def materialize(cfg: ModelConfig, device, dtype: torch.dtype) -> Transformer:
     """Uninitialized storage for every weight, in `dtype` (routing gate fp32), on `device`."""
-    model = build_model(cfg, device="meta").to(dtype)
-    for moe in model.moe_layers():
-        moe.gate.float()  # routing runs in fp32, as in the official checkpoints
+    model = build_model(cfg, device="meta").cast(dtype)
     model.to_empty(device=device)
     return model.init_buffers().eval()  # non-persistent buffers are not in the checkpoint
 

@@ -487,6 +487,14 @@ class Transformer(nn.Module):
         x, _, _ = self.hidden(input_ids, positions, segment_ids, kv_caches)
         return self.lm_head(self.norm(x))
 
+    def cast(self, dtype: torch.dtype):
+        """The weights in `dtype`, except the routing state (each MoE gate's weight and bias), which stays
+        fp32 as in the official checkpoints; the fp32 buffers recreated (`init_buffers`), not rounded."""
+        self.to(dtype)
+        for moe in self.moe_layers():
+            moe.gate.float()
+        return self.init_buffers()
+
     def init_buffers(self):
         """(Re)create the non-persistent buffers: after `to_empty` they hold garbage, and a dtype cast
         would round them — they stay fp32 / int64 whatever the weights' dtype (bf16 frequencies blur
@@ -532,8 +540,5 @@ def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", dtype=torc
         model = Transformer(cfg)
     if str(device) != "meta":
         model.init_weights(seed)
-        model.to(dtype)
-        for m in model.moe_layers():  # routing state stays fp32 (as in the official checkpoints)
-            m.gate.float()
-        model.init_buffers()
+        model.cast(dtype)
     return model

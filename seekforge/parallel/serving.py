@@ -270,9 +270,7 @@ def build_engine_model(cfg: ModelConfig, groups: EngineGroups, dtype: torch.dtyp
     parallel/disk.py's read_hf_shards on `engine_shards`, or sync_shards), and the engine layout. Only
     this rank's shards are ever allocated."""
     layout = describe_engine_layout(cfg, groups.tp, groups.dp_attention, groups.ep, dtype)
-    model = build_model(cfg, device="meta").to(dtype)
-    for moe in model.moe_layers():
-        moe.gate.float()  # routing runs in fp32, as in the official checkpoints (model/hf.py)
+    model = build_model(cfg, device="meta").cast(dtype)
     shard_for_serving(model, layout, groups)
     model.to_empty(device=device)
     return model.init_buffers().eval(), layout

@@ -116,7 +116,7 @@ class GRPOTrainer:
         self._replica_plan = None  # (transfers, source dtypes) from the FSDP policy to the replica
         self.engine_model = policy
         if self.sharded or self.rollout_dtype != policy.embed_tokens.weight.dtype:
-            self.engine_model = copy.deepcopy(policy).requires_grad_(False).to(self.rollout_dtype)
+            self.engine_model = copy.deepcopy(policy).requires_grad_(False).cast(self.rollout_dtype)
         if self.sharded:
             shard_policy(policy)
         schedule = TrainConfig(preset="tiny", lr=cfg.lr, min_lr=cfg.lr, warmup=cfg.warmup, steps=cfg.steps * cfg.mu,

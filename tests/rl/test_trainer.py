@@ -76,7 +76,10 @@ def test_engine_serves_updated_weights_without_files(tmp_path, monkeypatch, dtyp
     assert any(not torch.equal(before[k], v) for k, v in trainer.policy.state_dict().items())
     assert sorted(os.listdir(tmp_path)) == []  # no file written during the iteration
     trainer.rollout.wake_up()
-    replica = copy.deepcopy(trainer.policy).to(trainer.compute_dtype)
+    engine_model = trainer.engine_model  # routing and RoPE frequencies stay fp32 in a replica too
+    assert all(moe.gate.weight.dtype == torch.float32 for moe in engine_model.moe_layers())
+    assert engine_model.rotary.inv_freq.dtype == torch.float32
+    replica = copy.deepcopy(trainer.policy).cast(trainer.rollout_dtype)
     fresh = LLMEngine(replica, tok, EngineConfig(kv_cache_memory="4MiB"))
     assert greedy(trainer.rollout.engine, prompts) == greedy(fresh, prompts)
 
