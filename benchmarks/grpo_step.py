@@ -2,10 +2,9 @@
 
 An iteration = rollout of 8 prompts × G = 8 completions of up to 128 new tokens (temperature 1) +
 rewards + the training phase (one optimizer step, dapo loss, β = 0). `--dtype auto` (the default) is
-what `seekforge grpo` picks for the model: the training dtype and the rollout dtype can differ (on a CPU
-with native bf16, a model 512-1023 wide trains in bf16 autocast over fp32 master weights and generates in
-fp32: model/precision.py). TRL has one dtype for both phases (`bf16=True` or not), so it runs in each
-dtype seekforge uses and its faster run is compared. Same model (the
+what `seekforge grpo` picks for the model (model/precision.py; on a CPU with native bf16, from 512 wide:
+bf16 autocast over fp32 master weights in training, a bf16 replica for the rollouts). TRL runs in that
+dtype, and also in fp32 where that is bf16: its faster run is compared. Same model (the
 `small` preset without MTP, random weights, saved once as an HF checkpoint both sides load), same
 byte-level tokenizer (a tokenizer.json both sides read), same prompts (the arithmetic task's), same
 reward (exact answer). Random weights rarely emit end-of-sequence, so both sides generate close to
@@ -36,7 +35,7 @@ from pathlib import Path
 import torch
 from machine import dtype_arg, machine_header  # benchmarks/machine.py
 
-from seekforge.model.precision import DTYPES, resolve_dtype
+from seekforge.model.precision import DTYPES
 
 PROMPTS, G, MAX_NEW = 8, 8, 128
 
@@ -170,17 +169,13 @@ def main():
     from seekforge.config import preset
 
     width = preset(args.preset).hidden_size
-    train_dtype, _ = machine_header(args.dtype, hidden_size=width, training=True)
-    rollout_dtype, why = resolve_dtype(args.dtype, hidden_size=width)
-    name = {dtype: key for key, dtype in DTYPES.items()}
-    if rollout_dtype != train_dtype:
-        print(f"rollouts: {why}")
-    # TRL has one dtype for both phases (bf16=True: autocast over everything): it runs in each dtype that
-    # seekforge uses, and its faster run is the one compared.
-    trl_dtypes = sorted({name[train_dtype], name[rollout_dtype]})
+    dtype, _ = machine_header(args.dtype, hidden_size=width, batched=True)
+    name = {dtype: key for key, dtype in DTYPES.items()}[dtype]
+    # TRL runs in seekforge's dtype, and in fp32 too where that is bf16 (its bf16=True is autocast over
+    # everything, which need not be its faster choice): its faster run is the one compared.
+    trl_dtypes = sorted({name, "fp32"})
     print(f"preset {args.preset} (no MTP), {PROMPTS} prompts x G={G}, up to {MAX_NEW} new tokens, one optimizer "
-          f"step; seekforge trains in {name[train_dtype]} and generates in {name[rollout_dtype]}; TRL in "
-          f"{' and in '.join(trl_dtypes)}")
+          f"step; seekforge in {name}; TRL in {' and in '.join(trl_dtypes)}")
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         prepare(workdir, args.preset)

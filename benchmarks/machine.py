@@ -30,11 +30,11 @@ def parse_args(parser, threads: int | None = None):
 
 
 def machine_header(dtype_name: str = "auto", probe_peak: bool = True, hidden_size: int | None = None,
-                   training: bool = False) -> tuple[torch.dtype, float]:
+                   batched: bool = False) -> tuple[torch.dtype, float]:
     """Print the machine lines; return (the resolved dtype, its measured matmul peak in FLOP/s). hidden_size
-    and training: the benchmarked model's width and workload, which `auto` weighs as the product does
+    and batched: the benchmarked model's width and workload, which `auto` weighs as the product does
     (model/precision.resolve_dtype)."""
-    dtype, why = resolve_dtype(dtype_name, hidden_size=hidden_size, training=training)
+    dtype, why = resolve_dtype(dtype_name, hidden_size=hidden_size, batched=batched)
     print(f"machine: {platform.machine()}, CPU capability {torch.backends.cpu.get_cpu_capability()} "
           f"(native bf16 matmul: {'yes' if cpu_has_native_bf16() else 'no'}), {torch.get_num_threads()} torch "
           f"threads, torch {torch.__version__}")

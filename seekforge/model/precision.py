@@ -10,7 +10,8 @@ each dtype (once per process, ~50 ms) and keeps bf16 only where it measured at l
 near that ratio the pick can differ between runs — give bf16 or fp32 for a fixed one. Under torchrun
 (WORLD_SIZE > 1) the flags alone decide, so that every rank picks the same dtype. Nor does a fast 1024³
 probe speak for a narrow model's small matmuls: given the model's width, `auto` keeps fp32 on a CPU below
-CPU_MIN_BF16_HIDDEN (inference) or CPU_MIN_BF16_HIDDEN_TRAINING (training).
+CPU_MIN_BF16_HIDDEN (serving, one-off generation) or CPU_MIN_BF16_HIDDEN_BATCHED (training, GRPO's batched
+rollouts).
 
 SEEKFORGE_CPU_BF16=0 (or 1) overrides the CPU detection, e.g. to try the fp32 path on a bf16 machine.
 torch's own ATEN_CPU_CAPABILITY=avx2 also counts as a CPU without native bf16.
@@ -37,9 +38,9 @@ def cpu_has_native_bf16() -> bool:
     return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
-def auto_dtype_help(training: bool = False) -> str:
+def auto_dtype_help(batched: bool = False) -> str:
     """What `auto` means, for --help texts and messages (resolve_dtype is the rule itself)."""
-    width = CPU_MIN_BF16_HIDDEN_TRAINING if training else CPU_MIN_BF16_HIDDEN
+    width = CPU_MIN_BF16_HIDDEN_BATCHED if batched else CPU_MIN_BF16_HIDDEN
     return ("bf16 on GPUs, and on CPUs whose native bf16 matmuls (AVX512-BF16/AMX) measure faster than fp32's "
             f"for a model at least {width} wide; fp32 elsewhere")
 
@@ -84,28 +85,29 @@ def _ranks() -> int:
 # small for the bf16 kernels to outrun fp32 (oneDNN, which runs them, also costs ~30 µs a call against
 # ~10 µs for MKL's fp32 at one row), and the casts around them remain. Measured on an AMX CPU whose 1024³
 # bf16 matmul ran 3.6-4x fp32's (2 threads), after the experts' row counts were bucketed (model/moe.py
-# BucketedRows): the `small` preset (hidden 512) trained at 2,412 vs ~1,450 tok/s in bf16 vs fp32, but served
-# at 840 vs 669 tok/s with batch-1 decode at 12.9-15.8 vs 10.3-10.5 ms/token, and its GRPO rollouts were no
-# faster in bf16 (6.3-7.1 vs 6.1-6.3 s); the default pretrain (hidden 192) took 81 vs 95 s, ending at a worse
-# loss (eval 0.236 vs 0.226) with 1.5x the peak RSS. So training (pretraining, GRPO's training phase) goes
-# bf16 from 512 wide, inference (serving, generation, GRPO's rollouts) from 1024.
+# BucketedRows): the `small` preset (hidden 512) trained at 2,412 vs ~1,450 tok/s in bf16 vs fp32, but
+# decoded at batch 1 in 12.9-15.8 vs 10.3-10.5 ms/token; after the experts ran as one padded bmm at
+# inference (GroupedExperts.forward_batched), its GRPO iterations (64 rollouts of 128 tokens, then training)
+# took a median 12.6 s with bf16 rollouts against 13.7 s with fp32 ones. The default pretrain (hidden 192)
+# took 81 vs 95 s, ending at a worse loss (eval 0.236 vs 0.226) with 1.5x the peak RSS. So batched work
+# (training, GRPO's rollouts) goes bf16 from 512 wide, latency-bound inference (serving, generation) from 1024.
 CPU_MIN_BF16_HIDDEN = 1024
-CPU_MIN_BF16_HIDDEN_TRAINING = 512
+CPU_MIN_BF16_HIDDEN_BATCHED = 512
 
 
 def resolve_dtype(name: str, device: str | torch.device = "cpu", hidden_size: int | None = None,
-                  training: bool = False) -> tuple[torch.dtype, str]:
+                  batched: bool = False) -> tuple[torch.dtype, str]:
     """'auto' | 'bf16' | 'fp32' (also 'bfloat16' / 'float32') → (dtype, a line saying why). hidden_size:
     the model's width, when known — on a CPU, `auto` keeps fp32 below CPU_MIN_BF16_HIDDEN, or below
-    CPU_MIN_BF16_HIDDEN_TRAINING for `training` (forward + backward: pretraining, GRPO's training phase)."""
+    CPU_MIN_BF16_HIDDEN_BATCHED for `batched` work (training; GRPO's rollouts, many sequences at once)."""
     name = {"bfloat16": "bf16", "float32": "fp32"}.get(name, name)
     if name in DTYPES:
         return DTYPES[name], f"{name} (asked for)"
     if name != "auto":
         raise ValueError(f"dtype {name!r} is not one of auto, bf16, fp32")
-    min_width = CPU_MIN_BF16_HIDDEN_TRAINING if training else CPU_MIN_BF16_HIDDEN
+    min_width = CPU_MIN_BF16_HIDDEN_BATCHED if batched else CPU_MIN_BF16_HIDDEN
     if torch.device(device).type == "cpu" and hidden_size is not None and hidden_size < min_width:
-        work = "training" if training else "inference"
+        work = "batched work (training, batched generation)" if batched else "serving"
         return torch.float32, (f"fp32 (auto: hidden_size {hidden_size} < {min_width}: on a CPU, bf16 {work} pays "
                                f"from {min_width} wide; --dtype bf16 to force)")
     dtype = auto_dtype(device)

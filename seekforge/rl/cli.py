@@ -33,8 +33,8 @@ _FLAGS = [
     ("--lr", "lr", float, "learning rate"),
     ("--beta", "beta", float, "KL-to-reference coefficient (0: no reference model)"),
     ("--seed", "seed", int, "prompts, sampling and the built-in base"),
-    ("--dtype", "dtype", str, "compute dtype: auto (per phase: training as pretrain's auto, rollouts as serve's) "
-                              "| bf16 | fp32 (master weights stay fp32)"),
+    ("--dtype", "dtype", str, "compute dtype of training and rollouts: auto (as pretrain's auto) | bf16 | fp32 "
+                              "(master weights stay fp32)"),
     ("--out-dir", "out_dir", str, "run directory"),
 ]
 _DEFAULTS = GRPOConfig()

@@ -54,8 +54,8 @@ class GRPOConfig:
     max_pack_count: int = 64
     swap: bool = True  # free the engine's KV pool during training; offload reference / optimizer state
     fsdp: bool = True  # under torchrun: FSDP-shard the policy and its optimizer state (False: full replicas)
-    # auto (model/precision.resolve_dtype, per phase: on CPUs training in fp32 below hidden 512, rollouts
-    # below 1024) | bf16 | fp32
+    # auto (model/precision.resolve_dtype for batched work: on CPUs fp32 below hidden 512) | bf16 | fp32,
+    # for training and rollouts alike
     dtype: str = "auto"
     kv_cache_memory: str = "64MiB"
     eval_prompts: int = 500  # held-out prompts, greedy; 0 disables (500: ±2 points of binomial noise at 30%)

@@ -101,22 +101,18 @@ class GRPOTrainer:
         # GRPO trains the next-token head only: MTP modules get no gradient, so they are not trained
         # (and the optimizer keeps no state for them, which a checkpoint's optimizer state must match).
         policy.mtp.requires_grad_(False)
-        # Two dtypes, each what `auto` picks for its work (model/precision.py): training computes in
-        # compute_dtype (bf16: autocast over the fp32 master weights), rollouts in rollout_dtype. On a
-        # CPU with native bf16 a model 512-1023 wide trains faster in bf16 but decodes faster in fp32.
-        # The engine generates on the policy's own tensors when it can; on a replica in the rollout dtype
-        # (bf16) or when the policy is FSDP-sharded (under torchrun), refreshed in place from the policy
-        # after every update (no file).
-        width = policy.cfg.hidden_size
-        self.compute_dtype, train_why = resolve_dtype(cfg.dtype, self.device, width, training=True)
-        self.rollout_dtype, rollout_why = resolve_dtype(cfg.dtype, self.device, width)
-        self.dtype_reason = train_why if self.compute_dtype == self.rollout_dtype else \
-            f"training {train_why}; rollouts {rollout_why}"
+        # One dtype for both phases, what `auto` picks for batched work (model/precision.py): training
+        # computes in it (bf16: autocast over the fp32 master weights) and the engine generates in it. The
+        # engine runs on the policy's own tensors when it can; on a replica in the compute dtype (bf16) or
+        # when the policy is FSDP-sharded (under torchrun), refreshed in place from the policy after every
+        # update (no file).
+        self.compute_dtype, self.dtype_reason = resolve_dtype(cfg.dtype, self.device, policy.cfg.hidden_size,
+                                                              batched=True)
         self.sharded = _distributed() and cfg.fsdp
         self._replica_plan = None  # (transfers, source dtypes) from the FSDP policy to the replica
         self.engine_model = policy
-        if self.sharded or self.rollout_dtype != policy.embed_tokens.weight.dtype:
-            self.engine_model = copy.deepcopy(policy).requires_grad_(False).cast(self.rollout_dtype)
+        if self.sharded or self.compute_dtype != policy.embed_tokens.weight.dtype:
+            self.engine_model = copy.deepcopy(policy).requires_grad_(False).cast(self.compute_dtype)
         if self.sharded:
             shard_policy(policy)
         schedule = TrainConfig(preset="tiny", lr=cfg.lr, min_lr=cfg.lr, warmup=cfg.warmup, steps=cfg.steps * cfg.mu,

@@ -107,7 +107,7 @@ class Trainer:
         self.num_devices = dist.get_world_size() if _distributed() else 1
         self.flops_per_token = flops_per_token(model_cfg, cfg.seq_len, with_mtp=cfg.mtp_loss_scale > 0)
         self.compute_dtype, self.dtype_reason = resolve_dtype(cfg.dtype, self.device, model_cfg.hidden_size,
-                                                              training=True)
+                                                              batched=True)
         # bf16 on one process: persistent bf16 matmul weights over the fp32 masters (train/master.py)
         # instead of autocast casting every weight each forward; sharded layouts use FSDP2's policy.
         self.master_weights = (MasterWeights(model) if self.compute_dtype == torch.bfloat16 and self.runner is None

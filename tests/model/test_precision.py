@@ -56,11 +56,11 @@ def test_narrow_models_keep_fp32_on_a_cpu(monkeypatch, tmp_path):
     dtype, why = precision.resolve_dtype("auto", hidden_size=192)
     assert dtype == torch.float32 and "hidden_size 192" in why
     assert precision.resolve_dtype("auto", hidden_size=2048)[0] == torch.bfloat16
-    # training goes bf16 from 512 wide (measured 1.66x fp32 there), inference only from 1024
+    # batched work (training, GRPO rollouts) goes bf16 from 512 wide, serving and generation only from 1024
     assert precision.resolve_dtype("auto", hidden_size=512)[0] == torch.float32
-    dtype, why = precision.resolve_dtype("auto", hidden_size=512, training=True)
+    dtype, why = precision.resolve_dtype("auto", hidden_size=512, batched=True)
     assert dtype == torch.bfloat16, why
-    dtype, why = precision.resolve_dtype("auto", hidden_size=192, training=True)
+    dtype, why = precision.resolve_dtype("auto", hidden_size=192, batched=True)
     assert dtype == torch.float32 and "hidden_size 192 < 512" in why and "training" in why
     assert precision.resolve_dtype("auto")[0] == torch.bfloat16  # width unknown: the measurement decides
     assert precision.resolve_dtype("bf16", hidden_size=192)[0] == torch.bfloat16

@@ -79,7 +79,7 @@ def test_engine_serves_updated_weights_without_files(tmp_path, monkeypatch, dtyp
     engine_model = trainer.engine_model  # routing and RoPE frequencies stay fp32 in a replica too
     assert all(moe.gate.weight.dtype == torch.float32 for moe in engine_model.moe_layers())
     assert engine_model.rotary.inv_freq.dtype == torch.float32
-    replica = copy.deepcopy(trainer.policy).cast(trainer.rollout_dtype)
+    replica = copy.deepcopy(trainer.policy).cast(trainer.compute_dtype)
     fresh = LLMEngine(replica, tok, EngineConfig(kv_cache_memory="4MiB"))
     assert greedy(trainer.rollout.engine, prompts) == greedy(fresh, prompts)
 
