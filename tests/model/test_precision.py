@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -67,3 +71,24 @@ def test_narrow_models_keep_fp32_on_a_cpu(monkeypatch, tmp_path):
     assert precision.resolve_dtype("auto", "cuda", hidden_size=192)[0] == torch.bfloat16
     (tmp_path / "config.json").write_text('{"hidden_size": 192}')
     assert model_width(str(tmp_path)) == 192 and model_width("tiny") == 64 and model_width("nowhere") is None
+
+
+@pytest.mark.skipif(not precision.cpu_has_native_bf16(), reason="bf16 matmuls run on oneDNN only with native bf16")
+def test_onednn_keeps_more_kernels_than_its_default():
+    """Importing seekforge raises oneDNN's kernel cache to ONEDNN_CACHE_CAPACITY (unless the user set it):
+    1,100 matmul shapes, over the default 1,024, are all still cached on a second pass."""
+    script = """
+import torch, seekforge.model.precision
+w = torch.ones(8, 8, dtype=torch.bfloat16)
+for n in range(1, 1101):
+    torch.ones(n, 8, dtype=torch.bfloat16) @ w
+print("SECOND PASS", flush=True)
+for n in range(1, 1101):
+    torch.ones(n, 8, dtype=torch.bfloat16) @ w
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ONEDNN_")}
+    out = subprocess.run([sys.executable, "-c", script], env={**env, "ONEDNN_VERBOSE": "profile_create"},
+                         capture_output=True, text=True, check=True).stdout
+    first, second = out.split("SECOND PASS")
+    assert first.count("cache_miss") > 1024  # more kernels than oneDNN keeps by default
+    assert second.count("cache_miss") == 0
