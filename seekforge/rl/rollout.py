@@ -18,6 +18,7 @@ import torch
 
 from seekforge.config import EngineConfig
 from seekforge.serve.engine import LLMEngine
+from seekforge.serve.kv_cache import zeros_on_demand
 from seekforge.serve.sequence import SamplingParams
 
 
@@ -68,8 +69,8 @@ class Rollout:
 
     def wake_up(self) -> None:
         for cache, (c_kv_shape, k_pe_shape) in zip(self.engine.runner.caches, self._pool_shapes, strict=True):
-            cache.c_kv = cache.c_kv.new_zeros(c_kv_shape)
-            cache.k_pe = cache.k_pe.new_zeros(k_pe_shape)
+            cache.c_kv = zeros_on_demand(c_kv_shape, cache.c_kv.dtype, cache.c_kv.device)
+            cache.k_pe = zeros_on_demand(k_pe_shape, cache.k_pe.dtype, cache.k_pe.device)
         self.asleep = False
 
 

@@ -30,6 +30,8 @@ truth: prefix caching, preemption, spec decode and multi-step read it).
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -148,6 +150,19 @@ class GatherScratch:
             self.dense_rows.invalidate()
 
 
+def zeros_on_demand(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """torch.zeros(shape), on a CPU backed by an anonymous memory map: the kernel supplies zero pages as they
+    are first touched, so a pool is allocated in microseconds and holds memory only for the blocks in use.
+    torch.zeros writes every page: the default 512 MiB pool took ~125 ms (every GRPO rollout after the
+    swap allocates it again) and counted 512 MiB of RSS however little of it a run used. The tensor keeps
+    the map alive; the pages go back to the system with it."""
+    count = math.prod(shape)
+    if torch.device(device).type != "cpu" or count == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    pages = mmap.mmap(-1, count * dtype.itemsize)
+    return torch.frombuffer(pages, dtype=dtype, count=count).view(shape)
+
+
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     per_token = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * torch.tensor([], dtype=dtype).element_size()
     if dtype == torch.int8:
@@ -170,8 +185,8 @@ class PagedLatentCache:
         # tail). Elsewhere exact spans.
         self.span_multiple = DENSE_SPAN if uses_onednn(device, dtype) else 1
         store = torch.int8 if int8 else dtype
-        self.c_kv = torch.zeros(num_blocks, block_size, cfg.kv_lora_rank, dtype=store, device=device)
-        self.k_pe = torch.zeros(num_blocks, block_size, cfg.qk_rope_head_dim, dtype=store, device=device)
+        self.c_kv = zeros_on_demand((num_blocks, block_size, cfg.kv_lora_rank), store, device)
+        self.k_pe = zeros_on_demand((num_blocks, block_size, cfg.qk_rope_head_dim), store, device)
         # int8: one scale per cached token for each of c_kv and k_pe, (P, L, 1) fp32
         self.c_kv_scale = torch.ones(num_blocks, block_size, 1, device=device) if int8 else None
         self.k_pe_scale = torch.ones(num_blocks, block_size, 1, device=device) if int8 else None

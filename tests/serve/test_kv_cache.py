@@ -1,7 +1,11 @@
+import gc
+import os
+
+import pytest
 import torch
 
 from seekforge.config import preset
-from seekforge.serve.kv_cache import GatherScratch, PagedLatentCache
+from seekforge.serve.kv_cache import GatherScratch, PagedLatentCache, zeros_on_demand
 
 
 def test_gather_into_shared_scratch_equals_indexing():
@@ -25,3 +29,24 @@ def test_gather_into_shared_scratch_equals_indexing():
     assert caches[0]._read("c_kv", torch.tensor([1])).data_ptr() == big.data_ptr()
     scratch.clear()
     assert not scratch.buffers
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads the resident set from /proc")
+def test_pool_pages_arrive_on_first_touch():
+    """The CPU pool is zeros that hold memory only where written: 256 MiB allocated, one block written."""
+    for dtype in (torch.float32, torch.bfloat16, torch.int8):
+        pool = zeros_on_demand((2, 3, 4), dtype, "cpu")
+        assert pool.dtype == dtype and pool.shape == (2, 3, 4) and pool.is_contiguous()
+        assert torch.equal(pool, torch.zeros(2, 3, 4, dtype=dtype))
+    assert zeros_on_demand((0, 16, 8), torch.float32, "cpu").shape == (0, 16, 8)
+    before = _rss_bytes()
+    pool = zeros_on_demand((4096, 16, 1024), torch.float32, "cpu")  # 256 MiB
+    gc.collect()  # the tensor alone keeps its memory map alive
+    pool[7].fill_(1.0)
+    assert _rss_bytes() - before < 32 * 2**20
+    assert pool.sum() == 16 * 1024 and pool[8].abs().sum() == 0
