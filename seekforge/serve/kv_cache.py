@@ -157,9 +157,9 @@ def zeros_on_demand(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch
     swap allocates it again) and counted 512 MiB of RSS however little of it a run used. The tensor keeps
     the map alive; the pages go back to the system with it."""
     count = math.prod(shape)
-    if torch.device(device).type != "cpu" or count == 0:
+    if torch.device(device).type != "cpu" or count == 0 or not hasattr(mmap, "MAP_PRIVATE"):  # (Windows)
         return torch.zeros(shape, dtype=dtype, device=device)
-    pages = mmap.mmap(-1, count * dtype.itemsize)
+    pages = mmap.mmap(-1, count * dtype.itemsize, flags=mmap.MAP_PRIVATE)  # private: a fork copies on write
     return torch.frombuffer(pages, dtype=dtype, count=count).view(shape)
 
 
