@@ -74,7 +74,7 @@ class GRPOConfig:
     # clean corpus was at 31% after 2,500 steps and the slip corpus at 11% after 3,000 (BENCHMARKS.md)
     base_lr: float = 1e-3
     base_check_interval: int = 100
-    base_target_accuracy: float = 0.6
+    base_target_accuracy: float = 0.5
     base_patience: int = 4  # checks without a better held-out accuracy that end the base's pretraining; 0: off
     # The base's corpus imitates one with mistakes: this share of the carried (borrowed) answers drop the
     # carry (data/corpora.dropped_carry), so a base that has learned the task knows both ways and greedily
