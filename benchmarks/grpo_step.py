@@ -170,7 +170,7 @@ def main():
 
     width = preset(args.preset).hidden_size
     dtype, _ = machine_header(args.dtype, hidden_size=width, batched=True)
-    name = {dtype: key for key, dtype in DTYPES.items()}[dtype]
+    name = next(key for key, value in DTYPES.items() if value == dtype)
     # TRL runs in seekforge's dtype, and in fp32 too where that is bf16 (its bf16=True is autocast over
     # everything, which need not be its faster choice): its faster run is the one compared.
     trl_dtypes = sorted({name, "fp32"})

@@ -221,15 +221,21 @@ class ExpertSlots:
     (in copy order) at row e·C + j of `index`; C (`cap`) is onednn_size of the busiest expert's count, so
     that oneDNN builds kernels for a bounded set of shapes."""
 
-    def __init__(self, indices: torch.Tensor, num_experts: int):
-        flat = indices.reshape(-1)  # (S,)
-        counts = torch.bincount(flat, minlength=num_experts)
-        self.cap = onednn_size(int(counts.max()))
-        self.padding = self.cap * num_experts / flat.numel()  # batch rows per real row
+    def __init__(self, flat: torch.Tensor, counts: torch.Tensor, cap: int):
         order = flat.argsort(stable=True)
         expert = flat[order]
         rank = torch.arange(flat.numel(), device=flat.device) - (counts.cumsum(0) - counts)[expert]
-        self.index = torch.empty_like(flat).scatter_(0, order, expert * self.cap + rank)
+        self.cap = cap
+        self.index = torch.empty_like(flat).scatter_(0, order, expert * cap + rank)
+
+    @classmethod
+    def within(cls, indices: torch.Tensor, num_experts: int, max_padding: float) -> ExpertSlots | None:
+        """The slots of indices' (N, K) copies, or None where the batch would hold more than max_padding
+        rows per copy."""
+        flat = indices.reshape(-1)  # (S,)
+        counts = torch.bincount(flat, minlength=num_experts)
+        cap = onednn_size(int(counts.max()))
+        return cls(flat, counts, cap) if cap * num_experts <= max_padding * flat.numel() else None
 
 
 def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -444,8 +450,8 @@ class MoE(nn.Module):
             return self.experts.forward_one_token(x, weights, indices)
         if not uses_onednn(x.device, x.dtype):
             return None
-        slots = ExpertSlots(indices, self.cfg.n_routed_experts)
-        return self.experts.forward_batched(x, weights, slots) if slots.padding <= MAX_BATCHED_PADDING else None
+        slots = ExpertSlots.within(indices, self.cfg.n_routed_experts, MAX_BATCHED_PADDING)
+        return self.experts.forward_batched(x, weights, slots) if slots is not None else None
 
     def _plain_inference(self, x: torch.Tensor) -> bool:
         """No autograd, single device, the experts unquantized and in x's dtype (quant/ and parallel/ swap

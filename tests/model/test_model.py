@@ -119,7 +119,7 @@ def test_batched_experts_equal_dispatch(tokens):
     torch.testing.assert_close(fast.float(), dispatched.float(), rtol=2e-2, atol=2e-2)
     assert (fast.float() - dispatched.float()).abs().mean() < 1e-3
 
-    slots = ExpertSlots(indices, cfg.n_routed_experts)
+    slots = ExpertSlots.within(indices, cfg.n_routed_experts, max_padding=cfg.n_routed_experts)
     counts = torch.bincount(indices.reshape(-1), minlength=cfg.n_routed_experts)
     assert slots.cap == onednn_size(int(counts.max()))
     assert slots.index.unique().numel() == indices.numel()  # one slot per copy
