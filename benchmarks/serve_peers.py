@@ -64,8 +64,12 @@ def vllm_worker(w: dict) -> dict:
     from vllm import LLM, SamplingParams
 
     start = time.perf_counter()
-    llm = LLM(model=w["model_dir"], dtype="float32", max_model_len=w["max_len"], seed=0,
-              max_num_seqs=w["requests"], skip_tokenizer_init=True)
+    # On an AMX CPU vLLM picks its AMX_MLA backend, which packs weights for bf16/fp16/int8 only and fails
+    # to start in fp32 ("expect weight to be bfloat16, ..."); CPU_MLA is its fp32-capable CPU kernel.
+    fp32 = w["dtype"] == "fp32"
+    llm = LLM(model=w["model_dir"], dtype="float32" if fp32 else "bfloat16", max_model_len=w["max_len"], seed=0,
+              max_num_seqs=w["requests"], skip_tokenizer_init=True,
+              attention_config={"backend": "CPU_MLA"} if fp32 else None)
     startup = time.perf_counter() - start
 
     def run(prompts, new):

@@ -135,7 +135,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
 
 
 # ---------------------------------------------------------------------------------------- MLA
-LATENT_CHUNK_BYTES = 1 << 20  # absorbed attention's latents per chunk of sequences and thread: fits a core's L2
+SCORES_CHUNK_BYTES = 64 << 20  # absorbed attention's fp32 scores at most this big at a time (sequences per chunk)
 
 
 class MLA(nn.Module):
@@ -242,13 +242,11 @@ class MLA(nn.Module):
         q_rope = q_pe.transpose(1, 2).reshape(b, nh * t, -1)  # (B, nh·T, dr)
         if latents is not None:
             q_latent = torch.cat([q_latent, q_rope], dim=-1)  # (B, nh·T, r + dr) against [c_kv | k_pe]
-        # The scores and the output each read the whole context; taken a few sequences at a time, the
-        # output's read finds the latents the scores just read still in L2 instead of memory: a whole
-        # decode step of 64 rows × ~170 tokens (fp32, 1 thread) 6-10% faster than one chunk, with 1 MiB
-        # chunks (256 KiB-2 MiB within noise of it; 2 threads not measured: the machine was loaded).
-        # (per thread: each core has its own L2, and a bmm splits its batch across the threads)
-        chunk_bytes = LATENT_CHUNK_BYTES * torch.get_num_threads()
-        rows = max(1, chunk_bytes // max(1, s * (r + k_pe.shape[-1]) * c_kv.element_size()))
+        # All sequences in one pass unless the fp32 scores would outgrow SCORES_CHUNK_BYTES. Chunks sized to
+        # keep a few sequences' latents in L2 between the two bmms paid less than their per-op cost: 64
+        # decode rows × 256 tokens, one chunk vs 1 MiB chunks, A/B in one process: kv_lora_rank 512 fp32 2
+        # threads 11.0-11.8 vs 12.3-14.4 s, `small` bf16 2 threads 4.6-4.7 vs 4.9-5.8 s, fp32 1 thread even.
+        rows = max(1, SCORES_CHUNK_BYTES // max(1, nh * t * s * 4))
         out_latent = []
         for i in range(0, b, rows):
             chunk = slice(i, i + rows)
@@ -258,10 +256,9 @@ class MLA(nn.Module):
             else:  # latents (a row slice of DenseRows' buffer) as the left operand: oneDNN reads it in place,
                 # where as a transposed right operand it copied it first (bf16, 64 rows × 192 tokens: 0.42 vs 0.75 ms)
                 scores = torch.bmm(latents[chunk], q_latent[chunk].transpose(1, 2)).transpose(1, 2)  # (rows, nh·T, S)
-            scores = scores.view(-1, nh, t, s).float() * self.softmax_scale  # (rows, nh, T, S)
+            scores = scores.view(-1, nh, t, s).float() * self.softmax_scale  # (rows, nh, T, S), a new tensor
             if mask is not None:
-                scores = scores.masked_fill(~(mask[chunk] if mask.dim() == 4 and mask.shape[0] > 1 else mask),
-                                            float("-inf"))
+                scores.masked_fill_(~(mask[chunk] if mask.dim() == 4 and mask.shape[0] > 1 else mask), float("-inf"))
             probs = scores.softmax(dim=-1).to(c_kv.dtype)
             out_latent.append(torch.bmm(probs.view(-1, nh * t, s), c_kv[chunk]))  # (rows, nh·T, r)
         out_latent = out_latent[0] if len(out_latent) == 1 else torch.cat(out_latent)  # (B, nh·T, r)

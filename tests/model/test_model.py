@@ -274,7 +274,7 @@ def test_absorbed_in_chunks_of_sequences_equals_one_chunk(monkeypatch):
         for with_latents in (False, True):
             args = (q_nope, q_pe, latents[..., :r], latents[..., r:], mask, None, latents if with_latents else None)
             one = attn.attend_absorbed(*args)
-            monkeypatch.setattr(model_module, "LATENT_CHUNK_BYTES", 1)  # one sequence per chunk
+            monkeypatch.setattr(model_module, "SCORES_CHUNK_BYTES", 1)  # one sequence per chunk
             chunked = attn.attend_absorbed(*args)
             monkeypatch.undo()
             torch.testing.assert_close(chunked, one, rtol=1e-6, atol=1e-6)
