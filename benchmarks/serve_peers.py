@@ -4,11 +4,13 @@ same dtype, same workload, one run.
     PYTHONPATH=. python benchmarks/serve_peers.py                 # installs the peers, then measures
     PYTHONPATH=. python benchmarks/serve_peers.py --skip-install  # peers already in --envs
     PYTHONPATH=. python benchmarks/serve_peers.py --dry-run       # tiny model, seekforge only; prints the peer steps
+    PYTHONPATH=. python benchmarks/serve_peers.py --skip-install --dtype bf16  # on a CPU with native bf16
 
 Model: the `small` preset with kv_lora_rank 512 and qk_rope_head_dim 64 (vLLM's CPU MLA kernel only
 takes a latent head of 576 = 512 + 64; it refuses `small`'s 160), MTP off (neither peer runs it),
-random weights (seed 0) written once as an HF checkpoint. fp32 everywhere: this script compares engines
-in the dtype all three run on any CPU. Workload: 64 requests × (128 random prompt tokens + 128 new),
+random weights (seed 0) written once as an fp32 HF checkpoint. One dtype for all three engines: fp32 by
+default, which every CPU runs; `--dtype bf16` on a CPU with native bf16 matmuls (AVX512-BF16/AMX), where
+it is the fast dtype (each engine casts the same fp32 weights; llama.cpp gets a bf16 GGUF and KV cache). Workload: 64 requests × (128 random prompt tokens + 128 new),
 greedy, ignore EOS; batch-1 decode of 128 tokens (ms/token after the first token, best of 3).
 
 Each peer lives in its own virtual environment under --envs, made by this script:
@@ -18,9 +20,9 @@ Each peer lives in its own virtual environment under --envs, made by this script
   llamacpp  `pip install llama-cpp-python==LLAMA_CPP_VERSION` (compiled from source here, without the
             multimodal library: CMAKE_BUILD_PARALLEL_LEVEL=1 under nice, so neighbours keep their cores;
             its source distribution is fetched with only itself as --no-binary, else pip compiles
-            the build backend's cmake from source too); the GGUF (f32)
+            the build backend's cmake from source too); the GGUF (f32 or bf16)
             comes from llama.cpp's own convert_hf_to_gguf.py in the same release's source
-            distribution. KV cache in f32: an f16 cache flips near-tied greedy tokens. llama-cpp-python
+            distribution. KV cache in the compared dtype: an f16 cache flips near-tied greedy tokens. llama-cpp-python
             decodes one sequence at a time, so llama.cpp has a batch-1 number only.
 Each peer is measured in a child process running this file with its environment's python
 (`--worker NAME`), which prints one JSON line after RESULT. Startup time is printed, not counted.
@@ -39,7 +41,7 @@ from pathlib import Path
 
 VLLM_VERSION = "0.32.0"
 LLAMA_CPP_VERSION = "0.3.36"
-GGML_TYPE_F32 = 0  # ggml's type id for an f32 KV cache
+GGML_TYPES = {"fp32": 0, "bf16": 30}  # ggml's type ids, for the KV cache
 RESULT = "SEEKFORGE-PEER-RESULT "  # prefix of the worker's one JSON line
 MODEL_OVERRIDES = dict(kv_lora_rank=512, qk_rope_head_dim=64, num_nextn_predict_layers=0)
 DRY_OVERRIDES = dict(num_nextn_predict_layers=0)  # the tiny preset, for --dry-run
@@ -91,7 +93,7 @@ def llamacpp_worker(w: dict) -> dict:
 
     start = time.perf_counter()
     llm = Llama(model_path=w["gguf"], n_ctx=w["max_len"], n_batch=w["max_len"], n_threads=w["threads"],
-                n_threads_batch=w["threads"], type_k=GGML_TYPE_F32, type_v=GGML_TYPE_F32, seed=0, verbose=False)
+                n_threads_batch=w["threads"], type_k=GGML_TYPES[w["dtype"]], type_v=GGML_TYPES[w["dtype"]], seed=0, verbose=False)
     startup = time.perf_counter() - start
 
     def run(prompt, new):
@@ -176,7 +178,7 @@ def with_merge(self, *args, **kwargs):
     self.merges = self.merges or ["\u0100 \u0101"]
     return add_to_gguf(self, *args, **kwargs)
 gguf.SpecialVocab.add_to_gguf = with_merge
-sys.argv = ["convert_hf_to_gguf.py", sys.argv[2], "--outtype", "f32", "--outfile", sys.argv[3]]
+sys.argv = ["convert_hf_to_gguf.py", sys.argv[2], "--outtype", sys.argv[4], "--outfile", sys.argv[3]]
 c.main()
 """
 
@@ -239,6 +241,8 @@ def main() -> None:
     p.add_argument("--dry-run", action="store_true",
                    help="tiny model and workload, seekforge only; print the peers' install steps without running them")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="cores for every engine")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
+                   help="the one dtype all engines run (bf16: for CPUs with native bf16 matmuls; default fp32)")
     p.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
@@ -254,7 +258,7 @@ def main() -> None:
     from seekforge.model.tokenizer import load_tokenizer
 
     torch.set_num_threads(args.threads)
-    machine_header("fp32")
+    dtype, _ = machine_header(args.dtype)
     peers = [] if args.dry_run else [n for n in args.peers.split(",") if n]
     unknown = set(peers) - set(WORKERS)
     if unknown:
@@ -269,7 +273,7 @@ def main() -> None:
     envs = Path(args.envs)
     envs.mkdir(parents=True, exist_ok=True)
     print(f"model: {'tiny' if args.dry_run else 'small'} preset, kv_lora_rank {cfg.kv_lora_rank}, qk_rope_head_dim "
-          f"{cfg.qk_rope_head_dim}, MTP off, {cfg.num_params()['total'] / 1e6:.1f}M parameters, fp32; "
+          f"{cfg.qk_rope_head_dim}, MTP off, {cfg.num_params()['total'] / 1e6:.1f}M parameters, {args.dtype}; "
           f"{n} requests × ({prompt_len} + {new}), greedy; {args.threads} threads per engine")
 
     for name, install in (("vllm", install_vllm), ("llamacpp", install_llamacpp)):
@@ -280,17 +284,18 @@ def main() -> None:
     model = build_model(cfg, seed=0).eval()
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, cfg.vocab_size, (n, prompt_len), generator=gen).tolist()
-    work = {"model_dir": str(envs / "model"), "gguf": str(envs / "model-f32.gguf"), "prompts": prompts, "new": new,
-            "requests": n, "max_len": prompt_len + new + 16, "out_dir": str(envs)}
+    gguf_type = {"fp32": "f32", "bf16": "bf16"}[args.dtype]
+    work = {"model_dir": str(envs / "model"), "gguf": str(envs / f"model-{gguf_type}.gguf"), "prompts": prompts,
+            "new": new, "dtype": args.dtype, "requests": n, "max_len": prompt_len + new + 16, "out_dir": str(envs)}
     if peers:
         save_hf(model, work["model_dir"])
         load_tokenizer("byte").save(work["model_dir"])
     if "llamacpp" in peers:
-        print("GGUF (f32) by llama.cpp's convert_hf_to_gguf.py:")
-        sh([sys.executable, "-c", CONVERT, str(converter_dir(envs / "llamacpp")), work["model_dir"], work["gguf"]],
-           envs / "convert.log")
+        print(f"GGUF ({gguf_type}) by llama.cpp's convert_hf_to_gguf.py:")
+        sh([sys.executable, "-c", CONVERT, str(converter_dir(envs / "llamacpp")), work["model_dir"], work["gguf"],
+            gguf_type], envs / "convert.log")
 
-    results = {"seekforge": seekforge_side(model, prompts, new)}
+    results = {"seekforge": seekforge_side(model.cast(dtype), prompts, new)}  # after save_hf: the peers read fp32
     ours = results["seekforge"]  # printed now: a peer that fails later must not take these with it
     print(f"seekforge: {ours['tok_per_s']:.1f} new tok/s at {n} requests, {ours['ms_per_token']:.2f} ms/token batch 1",
           flush=True)

@@ -20,9 +20,12 @@ from seekforge.config import ModelConfig
 from seekforge.model.dtensor import local_tensor
 from seekforge.model.precision import onednn_size, uses_onednn
 
-# GroupedExperts.forward_batched's padded rows at most this many times the real ones (bf16, 2 threads: the
-# padded bmm measured 0.35-0.65x the per-expert loop's time at 3-4x padding, 0.84x at prefill sizes).
+# GroupedExperts.forward_batched's padded rows at most this many times the real ones, where oneDNN runs the
+# mms (CPU bf16/fp16, 2 threads: the padded bmm measured 0.35-0.65x the per-expert loop's time at 3-4x
+# padding, 0.84x at prefill sizes) and where MKL does (CPU fp32: 16 experts × 16 rows, five layers, bmm
+# unpadded / 2x padded vs the loop: 12.9 / 16.6 vs 17.9 ms on an AMX CPU, 17.6 / 22.8 vs 20.1 ms on AVX2).
 MAX_BATCHED_PADDING = 4
+MAX_BATCHED_PADDING_FP32 = 1.5
 
 
 class MLP(nn.Module):
@@ -202,11 +205,11 @@ class GroupedExperts(nn.Module):
         return weighted_sum(outs[None], weights)
 
     def forward_batched(self, x: torch.Tensor, weights: torch.Tensor, slots: ExpertSlots) -> torch.Tensor:
-        """Inference without autograd where oneDNN runs the mms (CPU bf16/fp16): x (N, H), router weights
-        (N, K) and the copies' slots → the weighted sum of each token's K experts' outputs (N, H), as
-        dispatch → forward → combine computes it. Each copy sits in its slot of an (E, C, H) batch, the
-        other rows zero, and each projection is one bmm over all the experts: oneDNN's per-call cost made
-        the per-expert loop of mms 1.5-3x slower than this at decode sizes (bf16, 2 threads)."""
+        """Inference without autograd on CPU: x (N, H), router weights (N, K) and the copies' slots → the
+        weighted sum of each token's K experts' outputs (N, H), as dispatch → forward → combine computes it.
+        Each copy sits in its slot of an (E, C, H) batch, the other rows zero, and each projection is one bmm
+        over all the experts: oneDNN's per-call cost made the per-expert loop of mms 1.5-3x slower than this
+        at decode sizes (bf16, 2 threads); MKL's small-row fp32 mms ~1.4x (see MAX_BATCHED_PADDING)."""
         n, k = weights.shape
         e, h = self.down_proj.shape[:2]
         rows = x.new_zeros(e * slots.cap, h)
@@ -441,16 +444,17 @@ class MoE(nn.Module):
 
     def _routed_inference(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor | None:
         """The routed experts' output by a path for inference without autograd (None: take the general
-        one): batch 1 → GroupedExperts.forward_one_token; where oneDNN runs the mms →
-        GroupedExperts.forward_batched, while its padding stays within MAX_BATCHED_PADDING (a few hot
-        experts at prefill sizes would make the zero rows cost more than the per-expert loop's calls)."""
+        one): batch 1 → GroupedExperts.forward_one_token; on CPU → GroupedExperts.forward_batched, while its
+        padding stays within MAX_BATCHED_PADDING (oneDNN's dtypes) or MAX_BATCHED_PADDING_FP32 (a few hot
+        experts, as at prefill sizes, would make the zero rows cost more than the per-expert loop's calls)."""
         if not self._plain_inference(x):
             return None
         if x.shape[0] == 1:
             return self.experts.forward_one_token(x, weights, indices)
-        if not uses_onednn(x.device, x.dtype):
+        if x.device.type != "cpu":  # torch._grouped_mm, unpadded
             return None
-        slots = ExpertSlots.within(indices, self.cfg.n_routed_experts, MAX_BATCHED_PADDING)
+        max_padding = MAX_BATCHED_PADDING if uses_onednn(x.device, x.dtype) else MAX_BATCHED_PADDING_FP32
+        slots = ExpertSlots.within(indices, self.cfg.n_routed_experts, max_padding)
         return self.experts.forward_batched(x, weights, slots) if slots is not None else None
 
     def _plain_inference(self, x: torch.Tensor) -> bool:

@@ -102,22 +102,30 @@ def test_one_token_experts_equal_dispatch(dtype):
             torch.testing.assert_close(fast.view(1, -1), moe_reference(moe, x).detach(), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("tokens", [8, 64, 300])
-def test_batched_experts_equal_dispatch(tokens):
-    """Inference where oneDNN runs the expert mms (CPU bf16): the padded (E, C) batch of
-    GroupedExperts.forward_batched against the sorted dispatch (the path taken with autograd on), within
-    bf16 rounding (bmm vs per-expert mm round alike, each accumulating in fp32)."""
+def test_batched_experts_equal_dispatch(tokens, dtype):
+    """Inference on CPU: the padded (E, C) batch of GroupedExperts.forward_batched against the sorted
+    dispatch (the path taken with autograd on): within bf16 rounding (bmm vs per-expert mm round alike, each
+    accumulating in fp32), within fp32 summation order in fp32."""
     cfg = preset("tiny")
-    moe = build_model(cfg, dtype=torch.bfloat16).layers[1].mlp.eval()
-    x = torch.randn(tokens, cfg.hidden_size, generator=torch.Generator().manual_seed(tokens)).to(torch.bfloat16)
+    moe = build_model(cfg, dtype=dtype).layers[1].mlp.eval()
+    x = torch.randn(tokens, cfg.hidden_size, generator=torch.Generator().manual_seed(tokens)).to(dtype)
     with torch.no_grad():
         weights, indices, _ = moe.gate(x)
-        assert moe._routed_inference(x, weights, indices) is not None  # the batched path is taken
-        fast = moe(x)
+        if dtype == torch.bfloat16:
+            assert moe._routed_inference(x, weights, indices) is not None  # the batched path is taken
+            fast = moe(x)
+        else:  # taken at ≤ 1.5x padding, which random routing of a few tokens may exceed: called directly
+            slots = ExpertSlots.within(indices, cfg.n_routed_experts, max_padding=cfg.n_routed_experts)
+            fast = moe.experts.forward_batched(x, weights, slots) + moe.shared_experts(x)
     with torch.enable_grad():
         dispatched = moe(x).detach()
-    torch.testing.assert_close(fast.float(), dispatched.float(), rtol=2e-2, atol=2e-2)
-    assert (fast.float() - dispatched.float()).abs().mean() < 1e-3
+    if dtype == torch.float32:
+        torch.testing.assert_close(fast, dispatched, rtol=1e-5, atol=1e-5)
+    else:
+        torch.testing.assert_close(fast.float(), dispatched.float(), rtol=2e-2, atol=2e-2)
+        assert (fast.float() - dispatched.float()).abs().mean() < 1e-3
 
     slots = ExpertSlots.within(indices, cfg.n_routed_experts, max_padding=cfg.n_routed_experts)
     counts = torch.bincount(indices.reshape(-1), minlength=cfg.n_routed_experts)
@@ -130,18 +138,24 @@ def test_batched_experts_equal_dispatch(tokens):
 
 def test_batched_experts_bounded_padding():
     """Routing every token to one of many experts would pad the batch E/K-fold: the per-expert loop runs
-    instead (also when oneDNN does not run the mms: fp32)."""
-    cfg = preset("tiny", num_experts_per_tok=1)
-    moe = build_model(cfg, dtype=torch.bfloat16).layers[1].mlp.eval()
-    x = torch.randn(32, cfg.hidden_size).to(torch.bfloat16)
+    instead. fp32 (MKL) takes the batch at up to 1.5x padding, bf16 (oneDNN) at up to 4x."""
+    for dtype in (torch.bfloat16, torch.float32):
+        cfg = preset("tiny", num_experts_per_tok=1)
+        moe = build_model(cfg, dtype=dtype).layers[1].mlp.eval()
+        x = torch.randn(32, cfg.hidden_size, generator=torch.Generator().manual_seed(0)).to(dtype)
+        with torch.no_grad():
+            moe.gate.e_score_correction_bias[3] = 100.0
+            weights, indices, _ = moe.gate(x)
+            assert (indices == 3).all()
+            assert moe._routed_inference(x, weights, indices) is None  # padding E/K = 8
+    fp32 = build_model(preset("tiny")).layers[1].mlp.eval()  # 8 experts, top-2
+    x = torch.randn(4, fp32.cfg.hidden_size)
     with torch.no_grad():
-        moe.gate.e_score_correction_bias[3] = 100.0
-        weights, indices, _ = moe.gate(x)
-        assert (indices == 3).all()
-        assert moe._routed_inference(x, weights, indices) is None  # padding E/K = 8 > MAX_BATCHED_PADDING
-        fp32 = build_model(preset("tiny")).layers[1].mlp.eval()
-        weights, indices, _ = fp32.gate(x.float())
-        assert fp32._routed_inference(x.float(), weights, indices) is None
+        balanced = torch.arange(8).view(4, 2)  # every expert once: no padding
+        skewed = torch.tensor([[0, 1], [0, 2], [0, 3], [4, 5]])  # 4 × 8 slots for 8 copies: 4x
+        for chosen, taken in ((balanced, True), (skewed, False)):
+            weights = torch.full((4, 2), 0.5)
+            assert (fp32._routed_inference(x, weights, chosen) is not None) == taken
 
 
 def test_bias_selects_but_does_not_weight():
