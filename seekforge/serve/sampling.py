@@ -107,13 +107,22 @@ def token_probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 
 def exponential_noise(seqs: list[Sequence], num_rows_per_seq: int, vocab: int, device) -> torch.Tensor:
     """Exp(1) noise (N · num_rows_per_seq, V) for exponential-race draws, seq i owning rows
-    i·num_rows_per_seq …; a seeded sequence fills its rows from its own generator."""
-    noise = torch.empty(len(seqs) * num_rows_per_seq, vocab, device=device).exponential_()
-    for i, seq in enumerate(seqs):
-        if seq.generator is not None and not seq.params.greedy:
-            rows = slice(i * num_rows_per_seq, (i + 1) * num_rows_per_seq)
-            noise[rows] = torch.empty(num_rows_per_seq, vocab).exponential_(generator=seq.generator).to(device)
-    return noise
+    i·num_rows_per_seq …; a seeded sequence fills its rows from its own generator.
+
+    Drawn as −log U, U ~ Uniform[0, 1): torch's CPU `exponential_` is a scalar loop, ~20 ns a value
+    against ~7 for a vectorized uniform_ and log_ (a 4,096-token row: 83 vs 28 µs), and sampling draws
+    one row per sequence per step."""
+    noise = torch.empty(len(seqs) * num_rows_per_seq, vocab, device=device)
+    seeded = [i for i, seq in enumerate(seqs) if seq.generator is not None and not seq.params.greedy]
+    if len(seeded) < len(seqs):
+        noise.uniform_()
+    for i in seeded:
+        rows = noise[i * num_rows_per_seq:(i + 1) * num_rows_per_seq]
+        if noise.device.type == "cpu":  # in place, from the sequence's (CPU) generator
+            rows.uniform_(generator=seqs[i].generator)
+        else:
+            rows.copy_(torch.empty(num_rows_per_seq, vocab).uniform_(generator=seqs[i].generator))
+    return noise.log_().neg_()
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[dict | None]]:

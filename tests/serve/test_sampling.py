@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
+import pytest
 import torch
 
 from seekforge.model.generate import sample_next
-from seekforge.serve.sampling import apply_penalties, filter_logits, sample
+from seekforge.serve.sampling import apply_penalties, exponential_noise, filter_logits, sample
 from seekforge.serve.sequence import SamplingParams, Sequence
 
 
@@ -75,10 +78,13 @@ def test_seeded_sampling_is_batch_independent():
     assert batched[1] == alone[0]
 
 
-def test_sampling_distribution_matches_softmax():
-    """10k draws from one row: empirical frequencies within 0.02 of softmax(logits / T)."""
+@pytest.mark.parametrize("seeded", [True, False])
+def test_sampling_distribution_matches_softmax(seeded):
+    """10k draws from one row, from per-sequence generators or the global one: empirical frequencies
+    within 0.02 of softmax(logits / T)."""
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0]])
-    seqs = [seq([1], [], temperature=0.8, seed=i) for i in range(4)]
+    torch.manual_seed(0)
+    seqs = [seq([1], [], temperature=0.8, seed=i if seeded else None) for i in range(4)]
     counts = torch.zeros(4)
     for _ in range(2500):
         ids, _ = sample(logits.expand(4, -1), seqs)
@@ -86,6 +92,17 @@ def test_sampling_distribution_matches_softmax():
             counts[i] += 1
     expected = (logits[0] / 0.8).softmax(-1)
     torch.testing.assert_close(counts / counts.sum(), expected, rtol=0, atol=0.02)
+
+
+def test_exponential_noise_is_exp1():
+    """The race's noise (−log U) has Exp(1)'s mean, variance and tail, seeded rows and the global draw alike."""
+    seqs = [seq([1], [], temperature=1.0, seed=3), seq([1], [], temperature=1.0)]
+    torch.manual_seed(0)
+    noise = exponential_noise(seqs, 4, 50_000, "cpu")  # rows 0-3 from the seed, 4-7 from the global stream
+    for rows in (noise[:4], noise[4:]):
+        assert (rows > 0).all()
+        assert abs(rows.mean().item() - 1) < 0.01 and abs(rows.var().item() - 1) < 0.03
+        assert abs((rows > 2).float().mean().item() - math.exp(-2)) < 0.003
 
 
 def test_logprobs_are_model_log_softmax():
