@@ -136,6 +136,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
 
 # ---------------------------------------------------------------------------------------- MLA
 SCORES_CHUNK_BYTES = 64 << 20  # absorbed attention's fp32 scores at most this big at a time (sequences per chunk)
+# fp32 decode scores with the queries as the left operand where MKL runs AVX-512 kernels: they read the latents
+# transposed faster, and the softmax then reads contiguous rows (64 rows × 192 tokens × 576 latents: 0.95 vs 1.25 ms;
+# whole 64 × (128 + 128) generate, kv_lora_rank 512, 2 threads, A/B: 11.2-11.8 vs 12.1-13.2 s). Its AVX2
+# kernels go the other way (1.40 vs 1.04 ms), as oneDNN's do for bf16.
+FP32_SCORES_QUERIES_LEFT = torch.backends.cpu.get_cpu_capability() == "AVX512"
 
 
 class MLA(nn.Module):
@@ -253,12 +258,11 @@ class MLA(nn.Module):
             if latents is None:
                 scores = torch.baddbmm(torch.bmm(q_rope[chunk], k_pe[chunk].transpose(1, 2)), q_latent[chunk],
                                        c_kv[chunk].transpose(1, 2))
-            elif uses_onednn(latents.device, latents.dtype):
+            elif uses_onednn(latents.device, latents.dtype) or not FP32_SCORES_QUERIES_LEFT:
                 # latents (a row slice of DenseRows' buffer) as the left operand: oneDNN reads it in place,
                 # where as a transposed right operand it copied it first (bf16, 64 rows × 192 tokens: 0.42 vs 0.75 ms)
                 scores = torch.bmm(latents[chunk], q_latent[chunk].transpose(1, 2)).transpose(1, 2)  # (rows, nh·T, S)
-            else:  # fp32 the other way round: 1.15 vs 1.52 ms there, and the softmax reads contiguous rows
-                # (64 decode rows × 256 tokens, kv_lora_rank 512, 2 threads, A/B: 11.2-11.8 vs 12.1-13.2 s)
+            else:
                 scores = torch.bmm(q_latent[chunk], latents[chunk].transpose(1, 2))  # (rows, nh·T, S)
             scores = scores.view(-1, nh, t, s).float() * self.softmax_scale  # (rows, nh, T, S), a new tensor
             if mask is not None:

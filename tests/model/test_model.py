@@ -273,7 +273,8 @@ def test_absorbed_decode_equals_naive(overrides):
 
 def test_absorbed_in_chunks_of_sequences_equals_one_chunk(monkeypatch):
     """attend_absorbed's loop over chunks of sequences (one per chunk here) against a single chunk, with
-    a per-sequence padding mask as serving's decode rows have, for both ways of computing the scores."""
+    a per-sequence padding mask as serving's decode rows have, for both ways of computing the scores (and
+    both operand orders of the fp32 scores over [c_kv | k_pe], whichever this CPU takes)."""
     import seekforge.model.model as model_module
 
     cfg = preset("tiny")
@@ -285,13 +286,17 @@ def test_absorbed_in_chunks_of_sequences_equals_one_chunk(monkeypatch):
     latents = torch.randn(b, 11, r + dr, generator=gen)
     mask = (torch.arange(11) < torch.tensor([3, 11, 7, 1, 9])[:, None])[:, None, None, :]  # (B, 1, 1, S)
     with torch.no_grad():
-        for with_latents in (False, True):
+        for with_latents, queries_left in ((False, True), (True, True), (True, False)):
+            monkeypatch.setattr(model_module, "FP32_SCORES_QUERIES_LEFT", queries_left)
             args = (q_nope, q_pe, latents[..., :r], latents[..., r:], mask, None, latents if with_latents else None)
             one = attn.attend_absorbed(*args)
             monkeypatch.setattr(model_module, "SCORES_CHUNK_BYTES", 1)  # one sequence per chunk
             chunked = attn.attend_absorbed(*args)
             monkeypatch.undo()
             torch.testing.assert_close(chunked, one, rtol=1e-6, atol=1e-6)
+            if not with_latents:
+                reference = one
+            torch.testing.assert_close(one, reference, rtol=1e-5, atol=1e-5)
 
 
 def test_packed_documents_equal_separate_runs():
