@@ -313,7 +313,7 @@ def main() -> None:
             results[name] = run_peer(name, envs / name, work, args.threads)
         except RuntimeError as e:
             print(f"{name}: {e}")
-    if len(results) > 1:  # this machine's speed drifts within minutes: ours again, on the peers' side of it
+    if len(results) > 1:  # a shared machine's speed drifts within minutes: ours again, on the peers' side of it
         again = seekforge_side(model, prompts, new)
         print_side("seekforge, after the peers", again, n)
         results["seekforge"] = ours = {**ours, "tok_per_s": 2 / (1 / ours["tok_per_s"] + 1 / again["tok_per_s"]),
