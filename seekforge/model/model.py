@@ -136,11 +136,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
 
 # ---------------------------------------------------------------------------------------- MLA
 SCORES_CHUNK_BYTES = 64 << 20  # absorbed attention's fp32 scores at most this big at a time (sequences per chunk)
-# fp32 decode scores with the queries as the left operand where MKL runs AVX-512 kernels: they read the latents
-# transposed faster, and the softmax then reads contiguous rows (64 rows × 192 tokens × 576 latents: 0.95 vs 1.25 ms;
-# whole 64 × (128 + 128) generate, kv_lora_rank 512, 2 threads, A/B: 11.2-11.8 vs 12.1-13.2 s). Its AVX2
-# kernels go the other way (1.40 vs 1.04 ms), as oneDNN's do for bf16.
-FP32_SCORES_QUERIES_LEFT = torch.backends.cpu.get_cpu_capability() == "AVX512"
 
 
 class MLA(nn.Module):
@@ -236,43 +231,56 @@ class MLA(nn.Module):
         """Same contract as attend_naive, never materializing per-head keys or values. Batched matmuls
         over explicit layouts: torch.einsum's Python front end costs as much as a 512² matmul per call
         at decode sizes (~30 µs), and this runs once per layer per step. `latents` (B, S, r + dr): c_kv
-        and k_pe side by side in one tensor (they are its views), when the caller has them so; the scores
-        are then one batched matmul over it (at 64 decode rows ~25% faster than the two)."""
+        and k_pe side by side in one tensor (they are its views), when the caller has them so (serving's
+        dense decode rows); attention is then one fused kernel over it (_attend_latents)."""
         w_uk, w_uv = self.kv_b_weights(kv_b_weight)  # (nh, dn, r), (nh, dv, r)
         b, t, nh, dn = q_nope.shape
-        s, r = c_kv.shape[1], c_kv.shape[2]
+        r = c_kv.shape[2]
         q = q_nope.permute(2, 0, 1, 3).reshape(nh, b * t, dn)
         q_latent = torch.bmm(q, w_uk)  # (nh, B·T, r)
         q_latent = q_latent.view(nh, b, t, r).transpose(0, 1).reshape(b, nh * t, r)  # rows (head, query)
         q_rope = q_pe.transpose(1, 2).reshape(b, nh * t, -1)  # (B, nh·T, dr)
         if latents is not None:
-            q_latent = torch.cat([q_latent, q_rope], dim=-1)  # (B, nh·T, r + dr) against [c_kv | k_pe]
-        # All sequences in one pass unless the fp32 scores would outgrow SCORES_CHUNK_BYTES. Chunks sized to
-        # keep a few sequences' latents in L2 between the two bmms paid less than their per-op cost: 64
-        # decode rows × 256 tokens, one chunk vs 1 MiB chunks, A/B in one process: kv_lora_rank 512 fp32 2
-        # threads 11.0-11.8 vs 12.3-14.4 s, `small` bf16 2 threads 4.6-4.7 vs 4.9-5.8 s, fp32 1 thread even.
+            out_latent = self._attend_latents(torch.cat([q_latent, q_rope], dim=-1), latents, mask, t)
+        else:
+            out_latent = self._attend_split(q_latent, q_rope, c_kv, k_pe, mask, t)
+        out_latent = out_latent.view(b, nh, t, r).transpose(0, 1).reshape(nh, b * t, r)
+        out = torch.bmm(out_latent, w_uv.transpose(1, 2))  # (nh, B·T, dv)
+        return out.view(nh, b, t, -1).permute(1, 2, 0, 3).reshape(b, t, -1)  # (B, T, nh·dv)
+
+    def _attend_latents(self, q, latents, mask, t):
+        """q (B, nh·T, r + dr) rows (head, query) against latents (B, S, r + dr) = [c_kv | k_pe] → (B, nh·T, r).
+        One fused attention: the heads share their keys and values (the latents), so they are the query
+        rows of a single-head attention, and each block of latents is read once for the scores and the
+        weighted sum (the two batched matmuls read them twice). The values are the whole latents and the
+        last dr columns of the output are dropped: PyTorch's CPU flash kernel wants the values as wide as
+        the keys (with v = c_kv alone it falls back to its unfused path, ~8x slower). 64 decode rows,
+        kv_lora_rank 512, 64 × (128 + 128) generate, A/B: the layer's attention 3.4 vs 3.9 s fp32, 2.3 vs
+        3.3 s bf16 (2 threads)."""
+        s, r = latents.shape[1], latents.shape[2] - self.cfg.qk_rope_head_dim
+        if mask is not None and t > 1:  # (B|1, 1|nh, T, S) → (B|1, 1, nh·T, S), the query rows' order
+            mask = mask.expand(*mask.shape[:-3], self.num_heads, t, s).flatten(-3, -2).unsqueeze(-3)
+        out = F.scaled_dot_product_attention(q[:, None], latents[:, None], latents[:, None], attn_mask=mask,
+                                             scale=self.softmax_scale)
+        return out[:, 0, :, :r]
+
+    def _attend_split(self, q_latent, q_rope, c_kv, k_pe, mask, t):
+        """q_latent (B, nh·T, r) and q_rope (B, nh·T, dr) against c_kv (B, S, r) and k_pe (B, S, dr) as
+        separate tensors → (B, nh·T, r): batched matmuls, in chunks of sequences when the fp32 scores would
+        outgrow SCORES_CHUNK_BYTES."""
+        b, s, nh = c_kv.shape[0], c_kv.shape[1], self.num_heads
         rows = max(1, SCORES_CHUNK_BYTES // max(1, nh * t * s * 4))
         out_latent = []
         for i in range(0, b, rows):
             chunk = slice(i, i + rows)
-            if latents is None:
-                scores = torch.baddbmm(torch.bmm(q_rope[chunk], k_pe[chunk].transpose(1, 2)), q_latent[chunk],
-                                       c_kv[chunk].transpose(1, 2))
-            elif uses_onednn(latents.device, latents.dtype) or not FP32_SCORES_QUERIES_LEFT:
-                # latents (a row slice of DenseRows' buffer) as the left operand: oneDNN reads it in place,
-                # where as a transposed right operand it copied it first (bf16, 64 rows × 192 tokens: 0.42 vs 0.75 ms)
-                scores = torch.bmm(latents[chunk], q_latent[chunk].transpose(1, 2)).transpose(1, 2)  # (rows, nh·T, S)
-            else:
-                scores = torch.bmm(q_latent[chunk], latents[chunk].transpose(1, 2))  # (rows, nh·T, S)
+            scores = torch.baddbmm(torch.bmm(q_rope[chunk], k_pe[chunk].transpose(1, 2)), q_latent[chunk],
+                                   c_kv[chunk].transpose(1, 2))
             scores = scores.view(-1, nh, t, s).float() * self.softmax_scale  # (rows, nh, T, S), a new tensor
             if mask is not None:
                 scores.masked_fill_(~(mask[chunk] if mask.dim() == 4 and mask.shape[0] > 1 else mask), float("-inf"))
             probs = scores.softmax(dim=-1).to(c_kv.dtype)
             out_latent.append(torch.bmm(probs.view(-1, nh * t, s), c_kv[chunk]))  # (rows, nh·T, r)
-        out_latent = out_latent[0] if len(out_latent) == 1 else torch.cat(out_latent)  # (B, nh·T, r)
-        out_latent = out_latent.view(b, nh, t, r).transpose(0, 1).reshape(nh, b * t, r)
-        out = torch.bmm(out_latent, w_uv.transpose(1, 2))  # (nh, B·T, dv)
-        return out.view(nh, b, t, -1).permute(1, 2, 0, 3).reshape(b, t, -1)  # (B, T, nh·dv)
+        return out_latent[0] if len(out_latent) == 1 else torch.cat(out_latent)
 
     def forward(self, x, cos, sin, mask=None, kv_cache=None):
         """Without a cache: full sequences, causal (or `mask`). With one, the cache object stores this

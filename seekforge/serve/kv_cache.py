@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from seekforge.config import ModelConfig
-from seekforge.model.precision import onednn, uses_onednn
+from seekforge.model.precision import onednn
 from seekforge.quant.schemes import quantize_activation
 
 
@@ -65,12 +65,8 @@ class DenseStep:
     rebuild: bool  # True: refill the dense rows from the pool (after this step's writes to it)
     rows: int  # rows to allocate when the tensor is too small (≥ Nd: room for a growing batch)
     capacity: int  # tokens per dense row
-    context_len: int  # the longest decode context this step (rows read up to it or a span past it; masked)
+    context_len: int  # the longest decode context this step (rows are read up to it; shorter ones masked)
     write_index: torch.Tensor | None  # (Nd,) int64 row · capacity + position: where this step's latents go
-
-
-# Dense decode rows are read in spans of this many tokens where oneDNN runs attention (PagedLatentCache)
-DENSE_SPAN = 64
 
 
 def _mask_width(mask: torch.Tensor, width: int) -> torch.Tensor:
@@ -180,10 +176,6 @@ class PagedLatentCache:
         self.layer = layer  # names this layer's dense rows in the scratch
         self.kv_b_name = kv_b_name  # this layer's kv_b_proj, which a LoRA adapter may target (lora.py)
         self.dtype = dtype  # of the latents attention reads
-        # On oneDNN (precision.uses_onednn) a decode context growing by one token a step would build two
-        # kernels each step: the dense rows are read in spans of DENSE_SPAN tokens there (the mask hides the
-        # tail). Elsewhere exact spans.
-        self.span_multiple = DENSE_SPAN if uses_onednn(device, dtype) else 1
         store = torch.int8 if int8 else dtype
         self.c_kv = zeros_on_demand((num_blocks, block_size, cfg.kv_lora_rank), store, device)
         self.k_pe = zeros_on_demand((num_blocks, block_size, cfg.qk_rope_head_dim), store, device)
@@ -260,8 +252,7 @@ class PagedLatentCache:
         else:
             latents = torch.cat([self._as_stored(c_kv, self.c_kv_scale), self._as_stored(k_pe, self.k_pe_scale)], -1)
             dense.view(-1, width).index_copy_(0, step.write_index, latents)
-        span = min(step.capacity, -(-step.context_len // self.span_multiple) * self.span_multiple)
-        return dense[:nd, :span]
+        return dense[:nd, :step.context_len]
 
     def _as_stored(self, x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
         """x (T, ·) as a read of the pool returns it: int8 pools round it through int8 (as _read does)."""

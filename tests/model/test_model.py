@@ -273,30 +273,30 @@ def test_absorbed_decode_equals_naive(overrides):
 
 def test_absorbed_in_chunks_of_sequences_equals_one_chunk(monkeypatch):
     """attend_absorbed's loop over chunks of sequences (one per chunk here) against a single chunk, with
-    a per-sequence padding mask as serving's decode rows have, for both ways of computing the scores (and
-    both operand orders of the fp32 scores over [c_kv | k_pe], whichever this CPU takes)."""
+    a per-sequence padding mask as serving's decode rows have; and the fused attention over [c_kv | k_pe]
+    (serving's dense rows) against both, for one query per sequence and for several (a 4-D mask)."""
     import seekforge.model.model as model_module
 
     cfg = preset("tiny")
     attn = build_model(cfg).layers[0].self_attn
     gen = torch.Generator().manual_seed(0)
     b, nh, r, dr = 5, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
-    q_nope = torch.randn(b, 1, nh, cfg.qk_nope_head_dim, generator=gen)
-    q_pe = torch.randn(b, 1, nh, dr, generator=gen)
+    lens = torch.tensor([3, 11, 7, 2, 9])
     latents = torch.randn(b, 11, r + dr, generator=gen)
-    mask = (torch.arange(11) < torch.tensor([3, 11, 7, 1, 9])[:, None])[:, None, None, :]  # (B, 1, 1, S)
-    with torch.no_grad():
-        for with_latents, queries_left in ((False, True), (True, True), (True, False)):
-            monkeypatch.setattr(model_module, "FP32_SCORES_QUERIES_LEFT", queries_left)
-            args = (q_nope, q_pe, latents[..., :r], latents[..., r:], mask, None, latents if with_latents else None)
+    for t in (1, 2):
+        q_nope = torch.randn(b, t, nh, cfg.qk_nope_head_dim, generator=gen)
+        q_pe = torch.randn(b, t, nh, dr, generator=gen)
+        # query j of sequence i sees its first lens[i] - t + 1 + j tokens (decode rows: t = 1)
+        mask = (torch.arange(11) < (lens - t + 1)[:, None, None] + torch.arange(t)[:, None])[:, None]  # (B, 1, T, S)
+        args = (q_nope, q_pe, latents[..., :r], latents[..., r:], mask)
+        with torch.no_grad():
             one = attn.attend_absorbed(*args)
+            fused = attn.attend_absorbed(*args, latents=latents)
             monkeypatch.setattr(model_module, "SCORES_CHUNK_BYTES", 1)  # one sequence per chunk
             chunked = attn.attend_absorbed(*args)
             monkeypatch.undo()
-            torch.testing.assert_close(chunked, one, rtol=1e-6, atol=1e-6)
-            if not with_latents:
-                reference = one
-            torch.testing.assert_close(one, reference, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(chunked, one, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(fused, one, rtol=1e-5, atol=1e-5)
 
 
 def test_packed_documents_equal_separate_runs():

@@ -5,7 +5,6 @@ import copy
 import pytest
 import torch
 
-import seekforge.serve.kv_cache as kv_cache
 from seekforge.config import preset
 from seekforge.model.model import build_model
 from seekforge.model.precision import onednn
@@ -69,18 +68,17 @@ def test_dense_decode_equals_gather(tiny_model, byte_tokenizer, kv_cache_dtype):
                                        torch.tensor([lp for _, lp in y["top"]]), rtol=0, atol=1e-5)
 
 
-def test_bf16_cpu_decode_kernels_match(tiny_model, byte_tokenizer, monkeypatch):
+def test_bf16_cpu_decode_kernels_match(tiny_model, byte_tokenizer):
     """A bf16 model on a CPU decodes one-token steps with its linear layers on torch's own kernels
-    (precision.onednn) and reads its dense rows in spans of DENSE_SPAN tokens: the same greedy tokens,
-    and logprobs within bf16 rounding, as oneDNN everywhere with exact spans; at batch 1 and batch 4."""
+    (precision.onednn): the same greedy tokens, and logprobs within bf16 rounding, as oneDNN everywhere;
+    at batch 1 and batch 4."""
     model = copy.deepcopy(tiny_model).to(torch.bfloat16)
     prompts = [list(range(3 + 5 * i, 20 + 7 * i)) for i in range(4)]
-    params = SamplingParams(temperature=0, max_tokens=70, ignore_eos=True, logprobs=2)  # past one span
+    params = SamplingParams(temperature=0, max_tokens=70, ignore_eos=True, logprobs=2)
     results = {}
     for new in (True, False):
-        monkeypatch.setattr(kv_cache, "DENSE_SPAN", 64 if new else 1)
         llm = LLM(model, byte_tokenizer, block_size=8, num_kv_blocks=200, max_num_seqs=4)
-        assert llm.engine.runner.one_row_native and llm.engine.runner.caches[0].span_multiple == (64 if new else 1)
+        assert llm.engine.runner.one_row_native
         llm.engine.runner.one_row_native = new
         results[new] = llm.generate(prompts[:1], params) + llm.generate(prompts, params)
     for a, b in zip(results[True], results[False], strict=True):
