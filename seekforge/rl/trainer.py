@@ -43,6 +43,7 @@ from seekforge.rl.rewards import RewardSet
 from seekforge.rl.rollout import Rollout, offload
 from seekforge.rl.update import LossSettings, TrainingBatch, accumulate_gradients, sequence_log_probs
 from seekforge.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from seekforge.train.master import MasterWeights, can_use_master_weights
 from seekforge.train.metrics import MetricsLogger
 from seekforge.train.optim import build_optimizer, clip_grad_norm
 
@@ -115,6 +116,12 @@ class GRPOTrainer:
             self.engine_model = copy.deepcopy(policy).requires_grad_(False).cast(self.compute_dtype)
         if self.sharded:
             shard_policy(policy)
+        # bf16 training on one process: bf16 matmul weights over the fp32 masters, as in pretraining
+        # (train/master.py), not autocast's cast of every weight and of every row's weight gradients. The
+        # engine's replica holds exactly those bf16 weights: it is their storage.
+        self.master_weights = None
+        if self.compute_dtype == torch.bfloat16 and not self.sharded and can_use_master_weights(policy):
+            self.master_weights = MasterWeights(policy, copies=self.engine_model)
         schedule = TrainConfig(preset="tiny", lr=cfg.lr, min_lr=cfg.lr, warmup=cfg.warmup, steps=cfg.steps * cfg.mu,
                                weight_decay=cfg.weight_decay, betas=(0.9, 0.99))  # constant after warmup
         self.optimizer, self.scheduler = build_optimizer(policy, schedule)
@@ -179,6 +186,10 @@ class GRPOTrainer:
         if self.compute_dtype == torch.float32:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.compute_dtype)
+
+    def _compute_weights(self, refresh: bool):
+        """The bf16 matmul weights for one row's forward + backward (train/master.py), where used."""
+        return self.master_weights.compute(refresh) if self.master_weights is not None else contextlib.nullcontext()
 
     def _park(self, module_or_optimizer) -> None:
         """Off the compute device while idle (on CPU there is nowhere else to go)."""
@@ -247,7 +258,7 @@ class GRPOTrainer:
         self.probe.mark("rewards")  # rewards, advantages, packing, old and reference log-probs
         for update in range(cfg.mu):
             with self._autocast():
-                sums = accumulate_gradients(self.policy, rows, batch, totals, self.loss_settings)
+                sums = accumulate_gradients(self.policy, rows, batch, totals, self.loss_settings, self._compute_weights)
             if not self.sharded:  # under FSDP the reduce-scatter already summed them
                 _sum_gradients_over_ranks(self.policy)
             grad_norm = clip_grad_norm(list(self.policy.parameters()), cfg.clip_grad or math.inf)

@@ -9,6 +9,8 @@ batch's gradient however it was split.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -55,21 +57,26 @@ def _split_by_sequence(values: torch.Tensor, row: PackedRow) -> list[torch.Tenso
 
 
 def accumulate_gradients(model, rows: list[PackedRow], batch: TrainingBatch, totals: BatchTotals,
-                         settings: LossSettings) -> dict[str, float]:
+                         settings: LossSettings,
+                         compute_weights: Callable[[bool], AbstractContextManager] = lambda first: nullcontext()
+                         ) -> dict[str, float]:
     """Forward + backward of every row; gradients add up in .grad. → this rank's weighted sums
-    {"loss", "clipped", "kl", "entropy"} (sum them over ranks for the batch's values)."""
+    {"loss", "clipped", "kl", "entropy"} (sum them over ranks for the batch's values). Each row's
+    forward and backward run inside `compute_weights(first row?)` (train/master.MasterWeights.compute:
+    bf16 copies of the fp32 masters, made on the first row, each row's bf16 gradients added in fp32)."""
     device = model.embed_tokens.weight.device
     lengths = torch.tensor(batch.completion_lengths)
     sums = {"loss": 0.0, "clipped": 0.0, "kl": 0.0, "entropy": 0.0}
-    for row in rows:
+    for n, row in enumerate(rows):
         owner = row.sequence_of_token
-        logp, entropy = row_log_probs(model, row)  # (C,)
         weights = token_weights(settings.loss_type, lengths[owner], totals).to(device)
-        old = torch.cat([batch.old_logps[i] for i in row.sequences]).to(device) if batch.old_logps else logp.detach()
+        old = torch.cat([batch.old_logps[i] for i in row.sequences]).to(device) if batch.old_logps else None
         ref = torch.cat([batch.ref_logps[i] for i in row.sequences]).to(device) if settings.beta else None
-        loss, stats = policy_loss(logp, old, batch.advantages[owner].to(device), weights, settings.clip_low,
-                                  settings.clip_high, settings.beta, ref)
-        loss.backward()
+        with compute_weights(n == 0):
+            logp, entropy = row_log_probs(model, row)  # (C,)
+            loss, stats = policy_loss(logp, logp.detach() if old is None else old, batch.advantages[owner].to(device),
+                                      weights, settings.clip_low, settings.clip_high, settings.beta, ref)
+            loss.backward()
         sums["loss"] += loss.item()
         sums["clipped"] += stats["clipped"].item()
         sums["kl"] += stats["kl"].item() if "kl" in stats else 0.0

@@ -50,18 +50,30 @@ def can_use_master_weights(model: nn.Module) -> bool:
 
 
 class MasterWeights:
-    def __init__(self, model: nn.Module, dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, model: nn.Module, dtype: torch.dtype = torch.bfloat16, copies: nn.Module | None = None):
+        """copies: a replica of `model` in `dtype` whose matmul parameters serve as the compute copies
+        (GRPO's rollout engine holds one: no second bf16 copy); they are overwritten on every refresh."""
         self.params = matmul_parameters(model)
-        self.compute_copies = [torch.empty_like(p, dtype=dtype) for p in self.params]
+        if copies is None:
+            self.compute_copies = [torch.empty_like(p, dtype=dtype) for p in self.params]
+        else:
+            names = {id(p): name for name, p in model.named_parameters()}
+            replica = dict(copies.named_parameters())
+            self.compute_copies = [replica[names[id(p)]].data for p in self.params]
+            pairs = zip(self.compute_copies, self.params, strict=True)
+            if any(c.dtype != dtype or c.shape != p.shape for c, p in pairs):
+                raise ValueError(f"the replica's matmul parameters are not {dtype} copies of the model's")
 
     @contextmanager
-    def compute(self):
+    def compute(self, refresh: bool = True):
         """Within: every matmul parameter is its bf16 copy (refreshed from the master on entry) with no
         gradient; on exit its fp32 master is back and its bf16 gradient, if any, is added into the fp32
-        gradient it had on entry (or becomes it)."""
+        gradient it had on entry (or becomes it). `refresh=False`: the masters have not changed since the
+        last entry (several forward/backward passes between two optimizer steps), so the copies are kept."""
         masters = [p.data for p in self.params]  # fp32; read at each entry: a resume may have replaced them
         main_grads = [p.grad for p in self.params]
-        torch._foreach_copy_(self.compute_copies, masters)  # rounds to nearest, as autocast's cast does
+        if refresh:
+            torch._foreach_copy_(self.compute_copies, masters)  # rounds to nearest, as autocast's cast does
         for p, copy in zip(self.params, self.compute_copies, strict=True):
             p.grad = None
             p.data = copy

@@ -60,7 +60,7 @@ def greedy(engine, prompts):
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_engine_serves_updated_weights_without_files(tmp_path, monkeypatch, dtype):
-    """fp32: the engine runs on the policy's own tensors. bf16 (autocast training over fp32 master
+    """fp32: the engine runs on the policy's own tensors. bf16 (bf16 training over fp32 master
     weights): the engine runs on a bf16 replica that each update refreshes in place."""
     monkeypatch.chdir(tmp_path)
     trainer = make_trainer(small_config(tmp_path, swap=True, dtype=dtype))
@@ -82,6 +82,34 @@ def test_engine_serves_updated_weights_without_files(tmp_path, monkeypatch, dtyp
     replica = copy.deepcopy(trainer.policy).cast(trainer.compute_dtype)
     fresh = LLMEngine(replica, tok, EngineConfig(kv_cache_memory="4MiB"))
     assert greedy(trainer.rollout.engine, prompts) == greedy(fresh, prompts)
+
+
+def test_bf16_training_pass_equals_autocast_and_shares_the_engine_replica(tmp_path, monkeypatch):
+    """bf16 GRPO trains on bf16 copies of the fp32 master weights (train/master.py) whose storage is the
+    engine's replica: the gradients of a rollout batch equal autocast's over the masters bit for bit, on
+    the first update and on a second one after the optimizer step (μ = 2: the copies are refreshed)."""
+    import seekforge.rl.trainer as trainer_module
+
+    calls = []
+    accumulate = trainer_module.accumulate_gradients
+    monkeypatch.setattr(trainer_module, "accumulate_gradients", lambda *a: calls.append(a) or accumulate(*a))
+    trainer = make_trainer(small_config(tmp_path, dtype="bf16", mu=2, rewards=[f"{__name__}:varied_reward"]))
+    replica = {p.data_ptr() for p in trainer.engine_model.parameters()}
+    assert trainer.master_weights.params and all(c.data_ptr() in replica for c in trainer.master_weights.compute_copies)
+    trainer.step()
+    assert len(calls) == 2
+    model, rows, batch, totals, settings, compute_weights = calls[-1]  # the second update's pass
+    grads = []
+    for weights in (compute_weights, None):
+        model.zero_grad(set_to_none=True)
+        with trainer._autocast():
+            if weights is None:
+                accumulate(model, rows, batch, totals, settings)
+            else:
+                accumulate(model, rows, batch, totals, settings, weights)
+        grads.append([p.grad.clone() for p in model.parameters() if p.requires_grad])
+    for a, b in zip(*grads, strict=True):
+        assert a.dtype == torch.float32 and torch.equal(a, b)
 
 
 def test_resume_continues_the_uninterrupted_run(tmp_path):
