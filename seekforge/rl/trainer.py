@@ -103,7 +103,7 @@ class GRPOTrainer:
         # (and the optimizer keeps no state for them, which a checkpoint's optimizer state must match).
         policy.mtp.requires_grad_(False)
         # One dtype for both phases, what `auto` picks for batched work (model/precision.py): training
-        # computes in it (bf16: autocast over the fp32 master weights) and the engine generates in it. The
+        # computes in it (bf16: bf16 copies of the fp32 master weights, below) and the engine generates in it. The
         # engine runs on the policy's own tensors when it can; on a replica in the compute dtype (bf16) or
         # when the policy is FSDP-sharded (under torchrun), refreshed in place from the policy after every
         # update (no file).
