@@ -21,7 +21,7 @@ row / prefill chunk its block table and query/context lengths. Every layer's
 
 Dense decode rows (`DenseRows`): gathering every decode row's blocks copies the whole decode context
 of every layer each step (64 rows × 192 tokens × 512 fp32 latents: 4.3 ms a layer, as long as the
-attention's two batched matmuls over it together). While the same sequences decode step after step
+attention over it took then, as two batched matmuls). While the same sequences decode step after step
 (plain one-token decodes), each layer instead keeps their latents in a dense (rows, capacity, r + dr)
 tensor, gathered from the pool once on the second step of the same decoding set, appended to in place
 every step after, and attention reads it as a view. The pool is written as always (it stays the source of
