@@ -67,6 +67,7 @@ class DenseStep:
     capacity: int  # tokens per dense row
     context_len: int  # the longest decode context this step (rows are read up to it; shorter ones masked)
     write_index: torch.Tensor | None  # (Nd,) int64 row · capacity + position: where this step's latents go
+    uniform: bool = False  # every row's context is context_len: nothing to mask (batch 1 always)
 
 
 def _mask_width(mask: torch.Tensor, width: int) -> torch.Tensor:
@@ -100,12 +101,13 @@ class DenseRows:
         """The step's decode rows (sequence ids, position of each row's token) → a DenseStep, or None when
         this step gathers (a new decoding set, or rows over the budget)."""
         context_len = max(positions) + 1
+        uniform = min(positions) + 1 == context_len
         continues = seq_ids == self.seq_ids and positions == self.lengths
         self.seq_ids, self.lengths = list(seq_ids), [p + 1 for p in positions]
         if continues and self.built and context_len <= self.capacity:
             write_index = torch.tensor([row * self.capacity + p for row, p in enumerate(positions)], device=device)
             return DenseStep(rebuild=False, rows=self.rows, capacity=self.capacity, context_len=context_len,
-                             write_index=write_index)
+                             write_index=write_index, uniform=uniform)
         self.built = False
         if not continues:
             return None
@@ -117,7 +119,8 @@ class DenseRows:
         fit = self.budget_bytes // (capacity * self.bytes_per_token)
         self.rows = max(len(seq_ids), min(1 << (len(seq_ids) - 1).bit_length(), fit))
         self.capacity, self.built = capacity, True
-        return DenseStep(rebuild=True, rows=self.rows, capacity=capacity, context_len=context_len, write_index=None)
+        return DenseStep(rebuild=True, rows=self.rows, capacity=capacity, context_len=context_len, write_index=None,
+                         uniform=uniform)
 
 
 class GatherScratch:
@@ -203,7 +206,8 @@ class PagedLatentCache:
             if md.dense is not None:
                 latents = self._dense(md, nd, c_kv[0, :nd], k_pe[0, :nd])  # (Nd, Sd, r + dr)
                 ctx_c_kv, ctx_k_pe = latents[..., :r], latents[..., r:]
-                mask = _mask_width(md.decode_mask, latents.shape[1])
+                # rows of one length read no padding: no mask (the fused attention skips it, ~10% of its time)
+                mask = None if md.dense.uniform else _mask_width(md.decode_mask, latents.shape[1])
             else:
                 tables = md.decode_block_tables
                 ctx_c_kv = self._read("c_kv", tables.flatten()).view(nd, -1, r)  # (Nd, Sd, r)
@@ -215,7 +219,8 @@ class PagedLatentCache:
                 # rows of adapters with a LoRA on kv_b_proj: absorbed again with the merged weight
                 for rows, weight in md.lora.kv_b_groups(attn.kv_b_proj, self.kv_b_name, md.decode_adapter):
                     out[rows] = attn.attend_absorbed(q_nope[0, rows, None], q_pe[0, rows, None], ctx_c_kv[rows],
-                                                     ctx_k_pe[rows], mask=mask[rows], kv_b_weight=weight)
+                                                     ctx_k_pe[rows], mask=None if mask is None else mask[rows],
+                                                     kv_b_weight=weight)
             outs.append(out[:, 0])
         start = nd
         for i, (table, q_len, ctx_len, mask) in enumerate(zip(md.prefill_block_tables, md.prefill_query_lens,

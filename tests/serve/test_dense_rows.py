@@ -68,6 +68,33 @@ def test_dense_decode_equals_gather(tiny_model, byte_tokenizer, kv_cache_dtype):
                                        torch.tensor([lp for _, lp in y["top"]]), rtol=0, atol=1e-5)
 
 
+def test_rows_of_one_length_skip_the_mask(tiny_model, byte_tokenizer):
+    """Decode rows whose contexts are all as long (prompts of one length, batch 1) are planned `uniform` and
+    attend without a mask: the same tokens and logprobs (to 1e-5) as the gather, which masks."""
+    rows = DenseRows(budget_bytes=1 << 20, bytes_per_token=10)
+    rows.plan([1, 2], [5, 5], "cpu")
+    assert rows.plan([1, 2], [6, 6], "cpu").uniform
+    rows.plan([1, 2], [5, 8], "cpu")
+    assert not rows.plan([1, 2], [6, 9], "cpu").uniform
+    prompts = [list(range(3 + 5 * i, 20 + 5 * i)) for i in range(4)]  # 17 tokens each
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    results, plans = {}, []
+    for dense in (True, False):
+        llm = LLM(tiny_model, byte_tokenizer, block_size=8, num_kv_blocks=200, max_num_seqs=4)
+        rows = llm.engine.runner.dense_rows
+        if dense:
+            rows.plan = lambda *a, plan=rows.plan: plans.append(plan(*a)) or plans[-1]
+        else:
+            rows.budget_bytes = 0
+        results[dense] = llm.generate(prompts[:1], params) + llm.generate(prompts, params)
+    assert sum(p is not None and p.uniform for p in plans) > 10
+    for a, b in zip(results[True], results[False], strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            torch.testing.assert_close(torch.tensor([lp for _, lp in x["top"]]),
+                                       torch.tensor([lp for _, lp in y["top"]]), rtol=0, atol=1e-5)
+
+
 def test_bf16_cpu_decode_kernels_match(tiny_model, byte_tokenizer):
     """A bf16 model on a CPU decodes one-token steps with its linear layers on torch's own kernels
     (precision.onednn): the same greedy tokens, and logprobs within bf16 rounding, as oneDNN everywhere;
