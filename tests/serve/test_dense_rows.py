@@ -41,31 +41,43 @@ def test_plan_builds_rows_when_a_decoding_set_continues_and_appends_after():
     assert tight.plan([1], [9], "cpu") is None and tight.plan([1], [10], "cpu") is None  # over budget
 
 
+def dense_and_gathered(model, tokenizer, batches, params, **llm_kwargs):
+    """Each batch of prompts generated in turn on one engine with the dense rows and on one that always
+    gathers (no budget for rows) → ({True: dense outputs, False: gathered outputs}, the dense engine's plans)."""
+    results, plans = {}, []
+    for dense in (True, False):
+        llm = LLM(model, tokenizer, **llm_kwargs)
+        rows = llm.engine.runner.dense_rows
+        if dense:
+            rows.plan = lambda *a, plan=rows.plan: plans.append(plan(*a)) or plans[-1]
+        else:
+            rows.budget_bytes = 0
+        results[dense] = [out for batch in batches for out in llm.generate(batch, params)]
+    return results, plans
+
+
+def assert_same_outputs(outputs, others, atol):
+    """The same greedy tokens, and the top logprobs within atol."""
+    for a, b in zip(outputs, others, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            torch.testing.assert_close(torch.tensor([lp for _, lp in x["top"]]),
+                                       torch.tensor([lp for _, lp in y["top"]]), rtol=0, atol=atol)
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 def test_dense_decode_equals_gather(tiny_model, byte_tokenizer, kv_cache_dtype):
     """Same greedy tokens and logprobs (to 1e-5) with the dense rows as with the gather, across steps where
     the decoding set changes (requests of different lengths finish, new ones join mid-way)."""
     prompts = [list(range(3 + 5 * i, 20 + 7 * i)) for i in range(6)]
     params = [SamplingParams(temperature=0, max_tokens=6 + 5 * i, ignore_eos=True, logprobs=2) for i in range(6)]
-    results, plans = {}, []
-    for dense in (True, False):
-        # 600 blocks: room for the dense rows in fp32 within the budget of an int8 pool (4x smaller)
-        llm = LLM(tiny_model, byte_tokenizer, block_size=8, num_kv_blocks=600, max_num_seqs=4,
-                  kv_cache_dtype=kv_cache_dtype)
-        rows = llm.engine.runner.dense_rows
-        if dense:
-            rows.plan = lambda *a, plan=rows.plan: plans.append(plan(*a)) or plans[-1]
-        else:
-            rows.budget_bytes = 0
-        results[dense] = llm.generate(prompts, params)
+    # 600 blocks: room for the dense rows in fp32 within the budget of an int8 pool (4x smaller)
+    results, plans = dense_and_gathered(tiny_model, byte_tokenizer, [prompts], params, block_size=8,
+                                        num_kv_blocks=600, max_num_seqs=4, kv_cache_dtype=kv_cache_dtype)
     kept = sum(p is not None and not p.rebuild for p in plans)
     built = sum(p is not None and p.rebuild for p in plans)
     assert kept > 20 and built > 3 and None in plans  # every kind of step ran
-    for a, b in zip(results[True], results[False], strict=True):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
-            torch.testing.assert_close(torch.tensor([lp for _, lp in x["top"]]),
-                                       torch.tensor([lp for _, lp in y["top"]]), rtol=0, atol=1e-5)
+    assert_same_outputs(results[True], results[False], atol=1e-5)
 
 
 def test_rows_of_one_length_skip_the_mask(tiny_model, byte_tokenizer):
@@ -78,21 +90,10 @@ def test_rows_of_one_length_skip_the_mask(tiny_model, byte_tokenizer):
     assert not rows.plan([1, 2], [6, 9], "cpu").uniform
     prompts = [list(range(3 + 5 * i, 20 + 5 * i)) for i in range(4)]  # 17 tokens each
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
-    results, plans = {}, []
-    for dense in (True, False):
-        llm = LLM(tiny_model, byte_tokenizer, block_size=8, num_kv_blocks=200, max_num_seqs=4)
-        rows = llm.engine.runner.dense_rows
-        if dense:
-            rows.plan = lambda *a, plan=rows.plan: plans.append(plan(*a)) or plans[-1]
-        else:
-            rows.budget_bytes = 0
-        results[dense] = llm.generate(prompts[:1], params) + llm.generate(prompts, params)
+    results, plans = dense_and_gathered(tiny_model, byte_tokenizer, [prompts[:1], prompts], params, block_size=8,
+                                        num_kv_blocks=200, max_num_seqs=4)
     assert sum(p is not None and p.uniform for p in plans) > 10
-    for a, b in zip(results[True], results[False], strict=True):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
-            torch.testing.assert_close(torch.tensor([lp for _, lp in x["top"]]),
-                                       torch.tensor([lp for _, lp in y["top"]]), rtol=0, atol=1e-5)
+    assert_same_outputs(results[True], results[False], atol=1e-5)
 
 
 def test_bf16_cpu_decode_kernels_match(tiny_model, byte_tokenizer):
@@ -108,11 +109,7 @@ def test_bf16_cpu_decode_kernels_match(tiny_model, byte_tokenizer):
         assert llm.engine.runner.one_row_native
         llm.engine.runner.one_row_native = new
         results[new] = llm.generate(prompts[:1], params) + llm.generate(prompts, params)
-    for a, b in zip(results[True], results[False], strict=True):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
-            torch.testing.assert_close(torch.tensor([lp for _, lp in x["top"]]),
-                                       torch.tensor([lp for _, lp in y["top"]]), rtol=0, atol=2e-2)
+    assert_same_outputs(results[True], results[False], atol=2e-2)
     # build_model and HF loading keep the routers in fp32: still a bf16 model; fp32 ones are not
     assert LLM(build_model(preset("tiny"), dtype=torch.bfloat16)).engine.runner.one_row_native
     assert not LLM(build_model(preset("tiny"))).engine.runner.one_row_native
