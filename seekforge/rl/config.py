@@ -52,7 +52,7 @@ class GRPOConfig:
     clip_grad: float = 1.0
     # rows of up to 2048 tokens: fewer, larger matmuls per expert and fewer per-row passes. grpo_step's training
     # phase (bf16, 2 threads, the same rows' worth of sequences): 3.25-3.31 s against 3.94-3.95 s at 1024, 5.2 s
-    # at 512, 3.24-3.43 s at 4096
+    # at 512, 3.24-3.43 s at 4096; fp32 on AVX2 (emulated): the same either way (6.7-7.1 s)
     max_pack_tokens: int = 2048
     max_pack_count: int = 64
     swap: bool = True  # free the engine's KV pool during training; offload reference / optimizer state
