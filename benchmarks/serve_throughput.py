@@ -6,7 +6,8 @@
    request generates exactly G), greedy. seekforge: `LLM.generate` (continuous batching, paged latent
    cache, absorbed-MLA decode). transformers: DeepseekV3ForCausalLM.generate on the whole batch
    (equal lengths, no padding), weights copied from the seekforge model (logits checked equal first).
-2. Single-request decode latency (ms/token after the first token), both, plus seekforge's reference
+2. Single-request decode latency (ms/token after the first token), both (seekforge's one-sequence steps
+   compiled, EngineConfig.compile, and eager: `--eager` runs without compile), plus seekforge's reference
    single-sequence `generate` for scale, and the weight-streaming bound: the bytes of weights one
    token reads (active parameters: K of the E routed experts, one embedding row) ÷ the bandwidth a
    one-row linear layer streams from a weight as large as the model's weights (machine.py).
@@ -70,6 +71,9 @@ def main():
     p.add_argument("--prefix-new-tokens", type=int, default=16)
     p.add_argument("--threads", type=int, default=1, help="torch threads (1: the shared 2-core box thrashes with 2)")
     p.add_argument("--skip-hf", action="store_true", help="seekforge numbers only")
+    p.add_argument("--eager", action="store_true",
+                   help="the engine without EngineConfig.compile (by default its one-sequence decode steps run "
+                        "compiled, and the eager engine's batch-1 time is printed beside them)")
     dtype_arg(p)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -89,7 +93,10 @@ def main():
           f"threads={torch.get_num_threads()}, {n} requests x ({args.prompt_len} prompt + {new} new tokens)")
 
     # -- 1. batch throughput --------------------------------------------------------------------
-    llm = LLM(model, tok)
+    start = time.perf_counter()
+    llm = LLM(model, tok, compile=not args.eager)
+    print(f"[engine] built in {time.perf_counter() - start:.1f} s "
+          f"({'eager' if args.eager else 'compile: batch-1 decode steps compiled, or found in the compile cache'})")
     llm.generate(prompts[:2].tolist(), SamplingParams(temperature=0, max_tokens=4))  # warm-up
     outs, t_sf = timed(lambda: llm.generate(prompts.tolist(), params))
     assert all(len(o.outputs[0].token_ids) == new for o in outs)
@@ -118,9 +125,15 @@ def main():
             trials.append(1000 * (tn - t1) / (new - 1))  # the difference removes prefill and first token
         return min(trials)
 
-    sf_ms = per_token_ms(lambda: llm.generate(one.tolist(), first), lambda: llm.generate(one.tolist(), decode))
+    def engine_ms(engine):
+        return per_token_ms(lambda: engine.generate(one.tolist(), first), lambda: engine.generate(one.tolist(), decode))
+
+    sf_ms = engine_ms(llm)
     ref_ms = per_token_ms(lambda: generate(model, one[0].tolist(), 1), lambda: generate(model, one[0].tolist(), new))
-    print(f"[latency] seekforge engine      : {sf_ms:6.2f} ms/token (batch 1 decode)")
+    how = "" if args.eager else ", compiled"
+    print(f"[latency] seekforge engine      : {sf_ms:6.2f} ms/token (batch 1 decode{how})")
+    if not args.eager:
+        print(f"[latency] seekforge engine, eager: {engine_ms(LLM(model, tok)):6.2f} ms/token")
     print(f"[latency] seekforge generate()  : {ref_ms:6.2f} ms/token (reference loop, contiguous cache)")
     if hf is not None:
         hf_ms = per_token_ms(lambda: hf_generate(hf, one, 1), lambda: hf_generate(hf, one, new))

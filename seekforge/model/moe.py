@@ -197,6 +197,8 @@ class GroupedExperts(nn.Module):
         sum of its K experts' outputs (1, H), straight through the chosen experts' weights — the same mms
         and the same weighted sum as dispatch → forward → combine, without the sort, the two gathers and
         the per-expert row bookkeeping around them (~40% of a MoE layer's time at batch 1, fp32)."""
+        if torch.compiler.is_compiling():
+            return self._one_token_traced(x, weights, indices)
         chosen = indices[0].tolist()
         gate_up = x.new_empty(len(chosen), self.gate_up_proj.shape[1])  # (K, 2I)
         for j, e in enumerate(chosen):
@@ -205,6 +207,22 @@ class GroupedExperts(nn.Module):
         outs = x.new_empty(len(chosen), self.down_proj.shape[1])  # (K, H) in (token, k) order
         for j, e in enumerate(chosen):
             torch.mm(act[j:j + 1], self.down_proj[e].t(), out=outs[j:j + 1])
+        return weighted_sum(outs[None], weights)
+
+    def _one_token_traced(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """forward_one_token as torch.compile traces it (serve/compiled.py): each chosen expert id becomes a
+        traced integer (dynamo's capture_scalar_outputs), so its weights stay views, read once by the mm,
+        where indexing the stacked weights with the ids would copy the K experts' matrices every token."""
+        num_experts = self.gate_up_proj.shape[0]
+        gate_up, down = [], []
+        for j in range(indices.shape[1]):
+            e = indices[0, j].item()
+            torch._check(e >= 0)
+            torch._check(e < num_experts)
+            gate_up.append(x @ self.gate_up_proj[e].t())
+            down.append(self.down_proj[e])
+        act = swiglu(torch.cat(gate_up))  # (K, I)
+        outs = torch.cat([act[j:j + 1] @ w.t() for j, w in enumerate(down)])  # (K, H)
         return weighted_sum(outs[None], weights)
 
     def forward_batched(self, x: torch.Tensor, weights: torch.Tensor, slots: ExpertSlots) -> torch.Tensor:

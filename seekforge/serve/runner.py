@@ -19,6 +19,7 @@ import torch
 from seekforge.config import EngineConfig
 from seekforge.model.model import Transformer
 from seekforge.model.precision import onednn
+from seekforge.serve.compiled import CompiledDecode
 from seekforge.serve.kv_cache import AttentionMetadata, DenseRows, GatherScratch, PagedLatentCache, bytes_per_block
 from seekforge.serve.lora import LoRAManager
 from seekforge.serve.scheduler import ScheduledBatch
@@ -140,6 +141,14 @@ class Runner:
         # an fp32 router runs on MKL either way.
         self.one_row_native = self.device.type == "cpu" and weight.dtype == torch.bfloat16 and all(
             t.is_floating_point() for t in (*model.parameters(), *model.buffers()) if t.dim() >= 2)
+        self.compiled: CompiledDecode | None = None
+        if config.compile:
+            why_not = CompiledDecode.supports(model, config)
+            if why_not:
+                log.warning("compile: decoding eagerly (%s)", why_not)
+            else:
+                compiled = CompiledDecode(model, self.caches)
+                self.compiled = compiled if compiled.warm_up() else None
 
     def prepare(self, chunks: list[Chunk], dense: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
@@ -225,6 +234,8 @@ class Runner:
     def forward(self, chunks: list[Chunk]) -> tuple[torch.Tensor, list[int]]:
         """The main model over `chunks` → hidden before the final norm (T, H), first row per chunk."""
         ids, positions, metadata, rows = self.prepare(chunks, dense=True)
+        if self.compiled is not None and self.compiled.applies(ids, metadata):
+            return self.compiled(ids, positions, metadata), rows
         for cache in self.caches:
             cache.metadata = metadata
         try:

@@ -496,6 +496,10 @@ def add_arguments(p):
                    help="k > 0: the model's MTP modules draft k tokens per step, one pass verifies them")
     p.add_argument("--num-scheduler-steps", type=int, default=1,
                    help="N > 1: N decode steps per scheduler pass while no prefill waits")
+    p.add_argument("--compile", action="store_true",
+                   help="run one-sequence decode steps as one torch.compile'd program (needs a C++ compiler; "
+                        "compiles at start, ~30-60 s the first time, cached after): ~1.8x faster batch-1 decoding "
+                        "on CPU; batched steps stay eager")
     p.add_argument("--enable-lora", action="store_true",
                    help="serve LoRA adapters (POST /v1/load_lora_adapter at run time); implied by --lora-modules")
     p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
@@ -521,7 +525,7 @@ def engine_config_from_args(args):
                         max_model_len=args.max_model_len, enable_chunked_prefill=not args.no_chunked_prefill,
                         enable_prefix_caching=not args.no_prefix_caching, kv_cache_dtype=args.kv_cache_dtype,
                         speculative_tokens=args.speculative_tokens, num_scheduler_steps=args.num_scheduler_steps,
-                        enable_lora=args.enable_lora or bool(args.lora_modules))
+                        enable_lora=args.enable_lora or bool(args.lora_modules), compile=args.compile)
 
 
 def parse_lora_modules(specs: list[str]) -> list[tuple[str, str]]:

@@ -1,0 +1,89 @@
+"""Compiled batch-1 decode steps (serve/compiled.py, EngineConfig.compile): the engine with them produces
+the eager engine's greedy tokens and logprobs, one program serves every context length (the dense rows
+growing past their capacity included), the steps they do not cover stay eager, and an engine whose compile
+fails serves eagerly."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from seekforge.config import EngineConfig
+from seekforge.serve import compiled as compiled_module
+from seekforge.serve.compiled import CompiledDecode
+from seekforge.serve.engine import LLM
+from seekforge.serve.sequence import SamplingParams
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=0)
+
+
+def logprobs(output) -> torch.Tensor:
+    return torch.tensor([t["logprob"] for t in output.logprobs])
+
+
+@pytest.fixture(scope="module")
+def compiled_llm(tiny_model, byte_tokenizer):
+    return LLM(tiny_model, byte_tokenizer, block_size=8, num_kv_blocks=256, compile=True)
+
+
+@pytest.fixture()
+def compiled_calls(monkeypatch):
+    """How many steps ran compiled."""
+    calls = []
+    original = CompiledDecode.__call__
+    monkeypatch.setattr(CompiledDecode, "__call__", lambda self, *a: calls.append(1) or original(self, *a))
+    return calls
+
+
+def test_compiled_steps_equal_eager(compiled_llm, tiny_model, byte_tokenizer, compiled_calls):
+    assert compiled_llm.engine.runner.compiled is not None
+    eager = LLM(tiny_model, byte_tokenizer, block_size=8, num_kv_blocks=256)
+    g = torch.Generator().manual_seed(1)
+    # 10 → 300 tokens of context: the dense rows (capacity ~256 at first) are rebuilt wider on the way
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (10, 75)]
+    graphs = counters["stats"]["unique_graphs"]
+    for prompt, new in zip(prompts, (290, 40), strict=True):
+        want = eager.generate([prompt], greedy(new))[0].outputs[0]
+        got = compiled_llm.generate([prompt], greedy(new))[0].outputs[0]
+        assert got.token_ids == want.token_ids
+        torch.testing.assert_close(logprobs(got), logprobs(want), rtol=0, atol=1e-4)
+    assert counters["stats"]["unique_graphs"] == graphs  # the warm-up's program served every length
+    assert len(compiled_calls) > 300  # all but the first decode step of each and the rebuild steps
+
+
+def test_batches_stay_eager_until_one_sequence_is_left(compiled_llm, tiny_model, byte_tokenizer, compiled_calls):
+    eager = LLM(tiny_model, byte_tokenizer, block_size=8, num_kv_blocks=256)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (7, 30, 12)]
+    params = [greedy(n) for n in (5, 9, 30)]  # the third decodes alone from step 10 on
+    want = [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
+    assert [o.outputs[0].token_ids for o in compiled_llm.generate(prompts, params)] == want
+    assert 0 < len(compiled_calls) < 30
+
+
+def test_unsupported_configs_decode_eagerly(tiny_model):
+    assert "int8" in CompiledDecode.supports(tiny_model, EngineConfig(kv_cache_dtype="int8"))
+    assert "LoRA" in CompiledDecode.supports(tiny_model, EngineConfig(enable_lora=True))
+    assert CompiledDecode.supports(tiny_model, EngineConfig()) is None
+
+
+def test_a_failed_compile_serves_eagerly(tiny_model, byte_tokenizer, monkeypatch, caplog):
+    def no_compiler(fn, **kwargs):
+        def fail(*args):
+            raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found\nmore detail")
+        return fail
+
+    monkeypatch.setattr(compiled_module.torch, "compile", no_compiler)
+    with caplog.at_level(logging.WARNING, logger="seekforge.serve"):
+        llm = LLM(tiny_model, byte_tokenizer, block_size=8, num_kv_blocks=64, compile=True)
+    assert llm.engine.runner.compiled is None
+    assert "decoding eagerly: InvalidCxxCompiler: No working C++ compiler found" in caplog.text
+    eager = LLM(tiny_model, byte_tokenizer, block_size=8, num_kv_blocks=64)
+    prompt = list(range(20))
+    assert llm.generate([prompt], greedy(8))[0].outputs[0].token_ids == \
+        eager.generate([prompt], greedy(8))[0].outputs[0].token_ids
