@@ -253,6 +253,22 @@ class ExpertSlots:
         self.index = torch.empty_like(flat).scatter_(0, order, expert * cap + rank)
 
     @classmethod
+    def traced(cls, indices: torch.Tensor, num_experts: int, onednn_shapes: bool) -> ExpertSlots:
+        """The slots as torch.compile traces them (serve/compiled.py): the cap from tensor ops, then one traced
+        integer; always the batch, however skewed the routing (the choice `within` makes depends on the
+        counts). At least 2: inductor's bmm lowering cannot yet decide whether a traced size is 1."""
+        flat = indices.reshape(-1)
+        counts = torch.bincount(flat, minlength=num_experts)
+        busiest = counts.max().clamp(min=2)
+        if onednn_shapes:  # onednn_size in tensor ops: above 64, up to a multiple of 1/8 of the power of two below
+            step = torch.where(busiest > 64, 2 ** (busiest.float().log2().floor() - 3).long(), 1)
+            busiest = (busiest + step - 1) // step * step
+        cap = busiest.item()
+        torch._check(cap >= 2)
+        torch._check(cap <= 2 * flat.numel())
+        return cls(flat, counts, cap)
+
+    @classmethod
     def within(cls, indices: torch.Tensor, num_experts: int, max_padding: float) -> ExpertSlots | None:
         """The slots of indices' (N, K) copies, or None where the batch would hold more than max_padding
         rows per copy."""
@@ -474,6 +490,9 @@ class MoE(nn.Module):
             return self.experts.forward_one_token(x, weights, indices)
         if x.device.type != "cpu":  # torch._grouped_mm, unpadded
             return None
+        if torch.compiler.is_compiling():
+            slots = ExpertSlots.traced(indices, self.cfg.n_routed_experts, uses_onednn(x.device, x.dtype))
+            return self.experts.forward_batched(x, weights, slots)
         max_padding = MAX_BATCHED_PADDING if uses_onednn(x.device, x.dtype) else MAX_BATCHED_PADDING_FP32
         slots = ExpertSlots.within(indices, self.cfg.n_routed_experts, max_padding)
         return self.experts.forward_batched(x, weights, slots) if slots is not None else None

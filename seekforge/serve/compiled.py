@@ -1,19 +1,20 @@
-"""Batch-1 decode steps as one compiled program (`EngineConfig.compile`, `seekforge serve --compile`).
+"""Decode steps as compiled programs (`EngineConfig.compile`, `seekforge serve --compile`).
 
-A decode step of one sequence is ~500 small eager ops around ~70 one-row matmuls. On a CPU each of those
-ops costs 5-25 µs once a streamed weight matrix has pushed the interpreter's and the dispatcher's working
-set out of the caches, so the ops cost about as much as the matmuls. `torch.compile` (inductor) traces
-the step once — the model's own modules, with the latent cache below standing in for the paged one — and
-fuses the ops between the matmuls into a few generated C++ kernels, so a step runs close to the time of
-reading its weights: the same role CUDA graphs play for vLLM's GPU decode. Measured on the serving
-benchmarks' model (hidden 512, kv_lora_rank 512, fp32, 2 threads; BENCHMARKS.md): ~5.5 against ~9.5
-ms/token, the same greedy tokens.
+A decode step is ~500 small eager ops around the matmuls. On a CPU each op costs 5-25 µs once a streamed
+weight matrix has pushed the interpreter's and the dispatcher's working set out of the caches, so at one
+sequence the ops cost about as much as the matmuls. `torch.compile` (inductor) traces the step once — the
+model's own modules, with the latent cache below standing in for the paged one — and fuses the ops
+between the matmuls into a few generated C++ kernels: the role CUDA graphs play for vLLM's GPU decode.
+Measured on the serving benchmarks' model (hidden 512, kv_lora_rank 512, fp32, 2 threads; BENCHMARKS.md):
+batch 1 ~5 against ~8-9.5 ms/token, 64 rows ~50 against ~57 ms a step; the same greedy tokens.
 
-One program serves every context length (dynamic shapes), so it compiles once, at engine start (~30 s for
-six layers on 2 cores; `warm_up`). It runs the steps that decode one sequence from the dense decode rows
-(kv_cache.DenseRows): the latents it computes go to their pool slot, as always, and to the dense row,
-which attention then reads. Every other step — prefill chunks, several sequences, speculative verifies,
-LoRA rows, int8 latents — runs eagerly as before.
+The steps it runs are the plain decode steps that read the dense decode rows (kv_cache.DenseRows): the
+latents each row computes go to their pool slot, as always, and to its dense row, which attention then
+reads. Three programs, each traced once with dynamic shapes (every context length, dense capacity and
+batch size) and compiled at engine start (`warm_up`; ~15-45 s each on 2 cores the first time, then from
+inductor's on-disk cache): one sequence (its experts' weights read as views, model/moe.py), several
+sequences of one context length, and several of different lengths (masked). Everything else — prefill
+chunks, speculative verifies, LoRA rows, int8 latents, the first step of a decoding set — runs eagerly.
 """
 
 from __future__ import annotations
@@ -21,53 +22,78 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.fx.experimental._config as shape_config
 
-from seekforge.serve.kv_cache import AttentionMetadata, PagedLatentCache
+from seekforge.serve.kv_cache import AttentionMetadata, PagedLatentCache, mask_width
 
 log = logging.getLogger("seekforge.serve")
 
 
-class OneRowCache:
-    """MLA's kv_cache for one decode token inside the compiled step: its latents go to `slot` of the
-    layer's pools and to `dense` (1, capacity, r + dr) at position context_len - 1; attention reads the
-    first context_len latents of `dense` (the fused path of MLA.attend_absorbed)."""
+class DenseRowsCache:
+    """MLA's kv_cache inside a compiled step of B decode rows: row i's latents go to slots[i] of the layer's
+    pools and to write_index[i] of `dense` (B, capacity, r + dr) viewed as rows of latents; attention reads
+    the first context_len latents of every dense row (MLA.attend_absorbed's fused path), `mask` (B, 1, 1,
+    context_len) hiding a shorter row's tail, or None when every row is context_len long."""
 
-    def __init__(self, c_kv_pool: torch.Tensor, k_pe_pool: torch.Tensor, dense: torch.Tensor, slot: torch.Tensor,
-                 context_len: int):
+    def __init__(self, c_kv_pool, k_pe_pool, dense, slots, write_index, context_len: int, mask):
         self.c_kv_pool, self.k_pe_pool, self.dense = c_kv_pool, k_pe_pool, dense
-        self.slot, self.context_len = slot, context_len
+        self.slots, self.write_index, self.context_len, self.mask = slots, write_index, context_len, mask
 
     def attend(self, attn, q_nope, q_pe, c_kv, k_pe):
+        """q_nope (1, B, nh, dn), q_pe (1, B, nh, dr), c_kv (1, B, r), k_pe (1, B, dr) → (1, B, nh·dv)."""
         r, dr = c_kv.shape[-1], k_pe.shape[-1]
-        self.c_kv_pool.view(-1, r).index_copy_(0, self.slot, c_kv[0])
-        self.k_pe_pool.view(-1, dr).index_copy_(0, self.slot, k_pe[0])
-        n = self.context_len  # (a slice: an integer index would make dynamo specialize the step on it)
-        self.dense[:, n - 1:n] = torch.cat([c_kv, k_pe], dim=-1)
+        self.c_kv_pool.view(-1, r).index_copy_(0, self.slots, c_kv[0])
+        self.k_pe_pool.view(-1, dr).index_copy_(0, self.slots, k_pe[0])
+        self.dense.view(-1, r + dr).index_copy_(0, self.write_index, torch.cat([c_kv[0], k_pe[0]], dim=-1))
         latents = self.dense[:, :self.context_len]
-        return attn.attend_absorbed(q_nope, q_pe, latents[..., :r], latents[..., r:], latents=latents)
+        out = attn.attend_absorbed(q_nope[0, :, None], q_pe[0, :, None], latents[..., :r], latents[..., r:],
+                                   mask=self.mask, latents=latents)  # (B, 1, nh·dv)
+        return out.transpose(0, 1)
 
 
-def decode_one(model, ids: torch.Tensor, positions: torch.Tensor, slot: torch.Tensor, context_len: int,
-               pools: list[tuple[torch.Tensor, torch.Tensor]], dense: list[torch.Tensor]) -> torch.Tensor:
-    """The traced step: ids (1, 1), positions (1,), slot (1,) → hidden before the final norm (1, H)."""
-    caches = [OneRowCache(c_kv, k_pe, d, slot, context_len) for (c_kv, k_pe), d in zip(pools, dense, strict=True)]
+def decode_rows(model, ids, positions, slots, write_index, context_len: int, mask,
+                pools: list[tuple[torch.Tensor, torch.Tensor]], dense: list[torch.Tensor]) -> torch.Tensor:
+    """The traced step: ids (1, B), positions, slots, write_index (B,) → hidden before the final norm (B, H)."""
+    caches = [DenseRowsCache(c_kv, k_pe, d, slots, write_index, context_len, mask)
+              for (c_kv, k_pe), d in zip(pools, dense, strict=True)]
     hidden, _, _ = model.hidden(ids, positions=positions, kv_caches=caches)
     return hidden[0]
 
 
+# One entry point per program: compiled code is cached on the traced function's code object, and with the
+# guards skipped (below) a shared one would run whichever program was compiled first.
+def decode_one(*args):
+    """One sequence (B = 1: its experts' weights as views, model/moe.py)."""
+    return decode_rows(*args)
+
+
+def decode_uniform(*args):
+    """Several sequences of one context length (no mask)."""
+    return decode_rows(*args)
+
+
+def decode_masked(*args):
+    """Several sequences of different context lengths."""
+    return decode_rows(*args)
+
+
+PROGRAMS = {"one": decode_one, "rows": decode_uniform, "masked": decode_masked}
+
+
 class CompiledDecode:
-    """The compiled batch-1 decode step over a runner's pools and dense rows."""
+    """The compiled decode steps over a runner's pools and dense rows."""
 
     def __init__(self, model, caches: list[PagedLatentCache]):
         self.model = model
         self.caches = caches
-        # dynamic: one program for every context length and dense-row capacity. fullgraph: a graph break
-        # would bring back the eager ops this exists to remove, so tracing one is an error. cpp_wrapper: the
-        # step's ~300 kernel calls from generated C++ rather than Python (5.6-6.8 vs 7.1-8.7 ms/token).
-        # No guards: each guard check read every parameter's metadata (~0.3 ms a step), and the runner
-        # calls the step only in the shapes it was traced for (`applies`), on the same modules.
+        # dynamic: each program serves every context length, dense capacity and batch size. fullgraph: a graph
+        # break would bring back the eager ops this exists to remove, so tracing one is an error. cpp_wrapper:
+        # the step's kernel calls from generated C++ rather than Python (batch 1: 5.6-6.8 vs 7.1-8.7 ms/token).
+        # No guards: checking them read every parameter's metadata (~0.3 ms a step); each program is called
+        # only in the kind of step it was traced for (`applies`, `_program`), on the same modules.
         options = {"cpp_wrapper": True, "guard_filter_fn": torch.compiler.skip_all_guards_unsafe}
-        self.step = torch.compile(decode_one, dynamic=True, fullgraph=True, options=options)
+        self.programs = {name: torch.compile(fn, dynamic=True, fullgraph=True, options=options)
+                         for name, fn in PROGRAMS.items()}
 
     @staticmethod
     def supports(model, config) -> str | None:
@@ -81,35 +107,51 @@ class CompiledDecode:
         return None
 
     def applies(self, ids: torch.Tensor, metadata: AttentionMetadata) -> bool:
-        """Is this step one sequence's plain decode from dense rows already built? Context lengths from 2 on:
-        torch.compile specializes an integer that is 1, which would compile a second program."""
+        """Is this step plain decodes from dense rows already built (every token a decode row)? Context lengths
+        from 2 on: torch.compile specializes a size that is 1, and the programs skip the guard that checks."""
         step = metadata.dense
-        return (ids.shape[1] == 1 and metadata.num_decodes == 1 and step is not None and not step.rebuild
+        return (step is not None and not step.rebuild and metadata.num_decodes == ids.shape[1]
                 and step.context_len >= 2 and metadata.lora is None)
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        """→ hidden before the final norm (1, H), the pools and dense rows updated as the eager step does."""
+        """→ hidden before the final norm (B, H), the pools and dense rows updated as the eager step does."""
+        step, rows = metadata.dense, ids.shape[1]
         scratch = self.caches[0].scratch
-        dense = [scratch.buffers[f"dense{c.layer}"][:1] for c in self.caches]
-        return self._run(ids, positions, metadata.slot_mapping, metadata.dense.context_len, dense)
+        dense = [scratch.buffers[f"dense{c.layer}"][:rows] for c in self.caches]
+        # contiguous, as the warm-up's: a program is traced for one layout of each input
+        mask = None if step.uniform else mask_width(metadata.decode_mask, step.context_len).contiguous()
+        program = "one" if rows == 1 else "rows" if mask is None else "masked"
+        return self._run(program, ids, positions, metadata.slot_mapping, step.write_index, step.context_len, mask,
+                         dense)
 
-    def _run(self, ids, positions, slot, context_len, dense):
+    def _run(self, program, ids, positions, slots, write_index, context_len, mask, dense):
         pools = [(c.c_kv, c.k_pe) for c in self.caches]
-        with torch._dynamo.config.patch(capture_scalar_outputs=True):  # the chosen experts' ids (model/moe.py)
-            return self.step(self.model, ids, positions, slot, context_len, pools, dense)
+        # capture_scalar_outputs: the chosen experts' ids and the expert batch's size as traced integers
+        # (model/moe.py). No duck shapes: two sizes that happen to be equal when traced (a dense capacity and
+        # the pool's block count, say) must not become one symbol, as nothing checks them later.
+        with torch._dynamo.config.patch(capture_scalar_outputs=True), shape_config.patch(use_duck_shape=False):
+            return self.programs[program](self.model, ids, positions, slots, write_index, context_len, mask, pools,
+                                          dense)
 
     @torch.inference_mode()
     def warm_up(self) -> bool:
-        """Compile now, on a scratch step (slot 0 of the pools: free at start, and a slot is always written
-        before it is read). False, with a warning, where compiling fails (e.g. no C++ compiler)."""
+        """Compile every program now, on scratch steps (the first slots of the pools: free at start, and a slot
+        is always written before it is read). False, with a warning, where compiling fails (e.g. no C++
+        compiler): the engine then decodes eagerly."""
         cache = self.caches[0]
         device, dtype = cache.c_kv.device, cache.dtype
         width = cache.c_kv.shape[-1] + cache.k_pe.shape[-1]
-        dense = [torch.zeros(1, 128, width, dtype=dtype, device=device) for _ in self.caches]
-        zero = torch.zeros(1, dtype=torch.long, device=device)
-        try:
-            self._run(zero[None], torch.full((1,), 2, device=device), zero, 3, dense)
-        except Exception as err:  # noqa: BLE001 - any compiler failure means: serve eagerly
-            log.warning("compiled decode steps unavailable, decoding eagerly: %s", str(err).splitlines()[0])
-            return False
+        context_len, capacity = 5, 128  # sizes no other input has, none of them 1
+        for program, rows in (("one", 1), ("rows", 3), ("masked", 3)):
+            dense = [torch.zeros(rows, capacity, width, dtype=dtype, device=device) for _ in self.caches]
+            ids = torch.zeros(1, rows, dtype=torch.long, device=device)
+            positions = torch.full((rows,), context_len - 1, device=device)
+            slots = torch.arange(rows, device=device)
+            write_index = torch.arange(rows, device=device) * capacity + context_len - 1
+            mask = torch.ones(rows, 1, 1, context_len, dtype=torch.bool, device=device) if program == "masked" else None
+            try:
+                self._run(program, ids, positions, slots, write_index, context_len, mask, dense)
+            except Exception as err:  # noqa: BLE001 - any compiler failure means: serve eagerly
+                log.warning("compiled decode steps unavailable, decoding eagerly: %s", str(err).splitlines()[0])
+                return False
         return True

@@ -70,7 +70,7 @@ class DenseStep:
     uniform: bool = False  # every row's context is context_len: nothing to mask (batch 1 always)
 
 
-def _mask_width(mask: torch.Tensor, width: int) -> torch.Tensor:
+def mask_width(mask: torch.Tensor, width: int) -> torch.Tensor:
     """A key mask (..., S) cut, or extended with False, to (..., width)."""
     if mask.shape[-1] >= width:
         return mask[..., :width]
@@ -207,7 +207,7 @@ class PagedLatentCache:
                 latents = self._dense(md, nd, c_kv[0, :nd], k_pe[0, :nd])  # (Nd, Sd, r + dr)
                 ctx_c_kv, ctx_k_pe = latents[..., :r], latents[..., r:]
                 # rows of one length read no padding: no mask (the fused attention skips it, ~10% of its time)
-                mask = None if md.dense.uniform else _mask_width(md.decode_mask, latents.shape[1])
+                mask = None if md.dense.uniform else mask_width(md.decode_mask, latents.shape[1])
             else:
                 tables = md.decode_block_tables
                 ctx_c_kv = self._read("c_kv", tables.flatten()).view(nd, -1, r)  # (Nd, Sd, r)

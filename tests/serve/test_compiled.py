@@ -1,7 +1,8 @@
 """Compiled batch-1 decode steps (serve/compiled.py, EngineConfig.compile): the engine with them produces
-the eager engine's greedy tokens and logprobs, one program serves every context length (the dense rows
-growing past their capacity included), the steps they do not cover stay eager, and an engine whose compile
-fails serves eagerly."""
+the eager engine's greedy tokens and logprobs — one sequence, several of one context length, several of
+different lengths (masked) — each program serving every context length (the dense rows growing past their
+capacity included) and batch size; unsupported configs decode eagerly, and so does an engine whose compile
+fails."""
 
 from __future__ import annotations
 
@@ -56,14 +57,19 @@ def test_compiled_steps_equal_eager(compiled_llm, tiny_model, byte_tokenizer, co
     assert len(compiled_calls) > 300  # all but the first decode step of each and the rebuild steps
 
 
-def test_batches_stay_eager_until_one_sequence_is_left(compiled_llm, tiny_model, byte_tokenizer, compiled_calls):
+@pytest.mark.parametrize("lengths", [(30, 30, 30), (7, 30, 12)], ids=["one-length", "masked"])
+def test_batched_compiled_steps_equal_eager(compiled_llm, tiny_model, byte_tokenizer, compiled_calls, lengths):
     eager = LLM(tiny_model, byte_tokenizer, block_size=8, num_kv_blocks=256)
     g = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (7, 30, 12)]
-    params = [greedy(n) for n in (5, 9, 30)]  # the third decodes alone from step 10 on
-    want = [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
-    assert [o.outputs[0].token_ids for o in compiled_llm.generate(prompts, params)] == want
-    assert 0 < len(compiled_calls) < 30
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
+    params = [greedy(n) for n in (5, 9, 30)]  # 3, then 2 rows, then one: every program
+    want = eager.generate(prompts, params)
+    got = compiled_llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(logprobs(a.outputs[0]), logprobs(b.outputs[0]), rtol=0, atol=1e-4)
+    # 29 decode steps; of each set of rows (3, 2, then 1) the first two are eager: a gather, the dense rows' build
+    assert len(compiled_calls) == 29 - 3 * 2
 
 
 def test_unsupported_configs_decode_eagerly(tiny_model):

@@ -9,7 +9,7 @@ from seekforge.config import preset
 from seekforge.model.model import build_model
 from seekforge.model.precision import onednn
 from seekforge.serve.engine import LLM
-from seekforge.serve.kv_cache import DenseRows, _mask_width
+from seekforge.serve.kv_cache import DenseRows, mask_width
 from seekforge.serve.sequence import SamplingParams
 
 
@@ -124,5 +124,5 @@ def test_onednn_switch_restores_and_masks_widen():
         assert not torch._C._get_mkldnn_enabled()
     assert torch._C._get_mkldnn_enabled() == before
     mask = torch.tensor([[True, True, False]])
-    assert _mask_width(mask, 2).tolist() == [[True, True]]
-    assert _mask_width(mask, 5).tolist() == [[True, True, False, False, False]]
+    assert mask_width(mask, 2).tolist() == [[True, True]]
+    assert mask_width(mask, 5).tolist() == [[True, True, False, False, False]]
