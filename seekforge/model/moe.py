@@ -261,7 +261,7 @@ class ExpertSlots:
         counts = torch.bincount(flat, minlength=num_experts)
         busiest = counts.max().clamp(min=2)
         if onednn_shapes:  # onednn_size in tensor ops: above 64, up to a multiple of 1/8 of the power of two below
-            step = torch.where(busiest > 64, 2 ** (busiest.float().log2().floor() - 3).long(), 1)
+            step = torch.where(busiest > 64, torch.exp2(busiest.float().log2().floor() - 3).long(), 1)
             busiest = (busiest + step - 1) // step * step
         cap = busiest.item()
         torch._check(cap >= 2)

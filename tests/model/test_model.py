@@ -134,6 +134,12 @@ def test_batched_experts_equal_dispatch(tokens, dtype):
     torch.testing.assert_close(slots.index // slots.cap, indices.reshape(-1))  # in its expert's rows
     for e in range(cfg.n_routed_experts):  # at ranks 0, 1, … in copy order
         torch.testing.assert_close(slots.index[indices.reshape(-1) == e] % slots.cap, torch.arange(int(counts[e])))
+    # as a compiled decode step traces them (serve/compiled.py): the same slots, the cap from tensor ops
+    # (8+ tokens, each to K experts of E < 8·K: some expert has 2+ copies, above the traced cap's floor of 2)
+    traced = ExpertSlots.traced(indices, cfg.n_routed_experts, onednn_shapes=True)
+    assert traced.cap == slots.cap
+    torch.testing.assert_close(traced.index, slots.index, rtol=0, atol=0)
+    assert ExpertSlots.traced(indices, cfg.n_routed_experts, onednn_shapes=False).cap == int(counts.max())
 
 
 def test_batched_experts_bounded_padding():

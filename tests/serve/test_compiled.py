@@ -12,7 +12,8 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from seekforge.config import EngineConfig
+from seekforge.config import EngineConfig, preset
+from seekforge.model.model import build_model
 from seekforge.serve import compiled as compiled_module
 from seekforge.serve.compiled import CompiledDecode
 from seekforge.serve.engine import LLM
@@ -93,3 +94,22 @@ def test_a_failed_compile_serves_eagerly(tiny_model, byte_tokenizer, monkeypatch
     prompt = list(range(20))
     assert llm.generate([prompt], greedy(8))[0].outputs[0].token_ids == \
         eager.generate([prompt], greedy(8))[0].outputs[0].token_ids
+
+
+def test_bf16_programs_follow_eager(byte_tokenizer):
+    """bf16: the experts' batch at oneDNN's bucketed sizes (ExpertSlots.traced's other branch). The fused
+    kernels keep fp32 intermediates where the eager ops round to bf16, so greedy tokens may part at a near-tie:
+    logprobs are compared up to the first difference, loosely."""
+    model = build_model(preset("tiny"), seed=0).eval()
+    model.cast(torch.bfloat16)
+    compiled = LLM(model, byte_tokenizer, block_size=8, num_kv_blocks=64, compile=True)
+    assert compiled.engine.runner.compiled is not None
+    eager = LLM(model, byte_tokenizer, block_size=8, num_kv_blocks=64)
+    prompts = [list(range(3, 40)), list(range(50, 70))]
+    params = [greedy(12), greedy(16)]  # masked rows, then one sequence
+    for got, want in zip(compiled.generate(prompts, params), eager.generate(prompts, params), strict=True):
+        got, want = got.outputs[0], want.outputs[0]
+        pairs = enumerate(zip(got.token_ids, want.token_ids, strict=True))
+        same = next((i for i, (a, b) in pairs if a != b), len(got.token_ids))
+        assert same >= 3  # the prefill and the first two decode steps are eager in both
+        torch.testing.assert_close(logprobs(got)[:same], logprobs(want)[:same], rtol=0, atol=0.05)
