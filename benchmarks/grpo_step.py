@@ -15,10 +15,11 @@ on dynamically packed rows. TRL: `transformers.generate` on the padded batch, tr
 micro-batches. Each contender runs in its own child process, one after the other, timed from after
 construction; each runs two iterations and the second (warm) one is timed (TRL: from its
 `on_step_begin` to its `on_step_end` callback, which encloses generation, scoring and the update);
-the peak RSS of each child is its own. seekforge also runs with the memory swap off (KV pool kept through training), to
-show what the swap saves.
+the peak RSS of each child is its own. seekforge's rollouts run compiled decode steps (GRPOConfig.compile,
+serve/compiled.py), compiled while its trainer is built (printed; `--eager` turns them off). seekforge also
+runs with the memory swap off (KV pool kept through training), to show what the swap saves.
 
-    PYTHONPATH=. python benchmarks/grpo_step.py [--preset small] [--threads N] [--dtype auto|bf16|fp32]
+    PYTHONPATH=. python benchmarks/grpo_step.py [--preset small] [--threads N] [--dtype auto|bf16|fp32] [--eager]
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ def prompts_and_answers():
     return stream.prompts(0, PROMPTS) + stream.prompts(1, PROMPTS)
 
 
-def run_seekforge(workdir: Path, swap: bool, dtype: str) -> dict:
+def run_seekforge(workdir: Path, swap: bool, dtype: str, compile: bool) -> dict:
     from seekforge.model.load import load_model
     from seekforge.rl.config import GRPOConfig
     from seekforge.rl.trainer import GRPOTrainer
@@ -97,14 +98,17 @@ def run_seekforge(workdir: Path, swap: bool, dtype: str) -> dict:
     policy, tokenizer = load_model(str(workdir), torch.float32)
     cfg = GRPOConfig(base=str(workdir), task_levels=[1, 2, 3], prompts_per_step=PROMPTS, group_size=G,
                      max_new_tokens=MAX_NEW, temperature=1.0, loss_type="dapo", beta=0.0, lr=1e-6, swap=swap,
-                     kv_cache_memory="512MiB", eval_prompts=0, dtype=dtype, out_dir=str(workdir / "sf_run"))
+                     kv_cache_memory="512MiB", eval_prompts=0, dtype=dtype, compile=compile,
+                     out_dir=str(workdir / "sf_run"))
+    start = time.perf_counter()
     trainer = GRPOTrainer(cfg, policy, tokenizer)
+    build = time.perf_counter() - start
     trainer.step()  # warm-up
     start = time.perf_counter()
     metrics = trainer.step()
     elapsed = time.perf_counter() - start
     return {"seconds": elapsed, "completion_tokens": metrics["response_length"] * PROMPTS * G,
-            "rollout_s": metrics["rollout_time_s"], "train_s": metrics["train_time_s"]}
+            "rollout_s": metrics["rollout_time_s"], "train_s": metrics["train_time_s"], "build_s": build}
 
 
 def run_trl(workdir: Path, dtype: str) -> dict:
@@ -146,10 +150,10 @@ def run_trl(workdir: Path, dtype: str) -> dict:
     return {"seconds": timer.durations[-1], "completion_tokens": tokens}
 
 
-def child(which: str, workdir: Path, threads: int | None, dtype: str) -> None:
+def child(which: str, workdir: Path, threads: int | None, dtype: str, compile: bool) -> None:
     if threads:
         torch.set_num_threads(threads)
-    result = run_trl(workdir, dtype) if which == "trl" else run_seekforge(workdir, which == "seekforge", dtype)
+    result = run_trl(workdir, dtype) if which == "trl" else run_seekforge(workdir, which == "seekforge", dtype, compile)
     result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print("RESULT " + json.dumps(result), flush=True)
 
@@ -159,11 +163,14 @@ def main():
     parser.add_argument("--preset", default="small")
     parser.add_argument("--threads", type=int, default=None)
     dtype_arg(parser)
+    parser.add_argument("--eager", action="store_true",
+                        help="seekforge's rollouts without compiled decode steps (GRPOConfig.compile, on by default "
+                             "here: compiled while the trainer is built, which is not timed)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        return child(args.child, Path(args.workdir), args.threads, args.dtype)
+        return child(args.child, Path(args.workdir), args.threads, args.dtype, not args.eager)
     if args.threads:
         torch.set_num_threads(args.threads)
     from seekforge.config import preset
@@ -185,13 +192,16 @@ def main():
             cmd = [sys.executable, __file__, "--child", which, "--workdir", tmp, "--dtype", dtype]
             if args.threads:
                 cmd += ["--threads", str(args.threads)]
+            if args.eager:
+                cmd.append("--eager")
             out = subprocess.run(cmd, capture_output=True, text=True)
             lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
             if out.returncode or not lines:
                 sys.exit(f"{which} failed:\n{out.stderr[-3000:]}")
             label = f"trl ({dtype})" if which == "trl" else which
             r = results[label] = json.loads(lines[-1].removeprefix("RESULT "))
-            extra = f" (rollout {r['rollout_s']:.1f}s, training {r['train_s']:.1f}s)" if "rollout_s" in r else ""
+            extra = (f" (rollout {r['rollout_s']:.1f}s, training {r['train_s']:.1f}s; trainer built in "
+                     f"{r['build_s']:.0f}s)") if "rollout_s" in r else ""
             print(f"{label:>17}: {r['seconds']:.1f}s{extra}, {r['completion_tokens']:.0f} completion tokens, "
                   f"peak RSS {r['peak_rss_mib']:.0f} MiB")
     sf = results["seekforge"]

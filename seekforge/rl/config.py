@@ -61,6 +61,7 @@ class GRPOConfig:
     # for training and rollouts alike
     dtype: str = "auto"
     kv_cache_memory: str = "64MiB"
+    compile: bool = False  # rollouts' decode steps as compiled programs (serve/compiled.py; compiled when built)
     eval_prompts: int = 500  # held-out prompts, greedy; 0 disables (500: ±2 points of binomial noise at 30%)
     eval_interval: int = 25
     seed: int = 0

@@ -131,7 +131,8 @@ class GRPOTrainer:
         block_size = 16
         self.rollout = Rollout(self.engine_model, tokenizer, EngineConfig(
             block_size=block_size, kv_cache_memory=cfg.kv_cache_memory,
-            max_num_seqs=max(cfg.prompts_per_step * cfg.group_size, 1), max_num_batched_tokens=4096))
+            max_num_seqs=max(cfg.prompts_per_step * cfg.group_size, 1), max_num_batched_tokens=4096,
+            compile=cfg.compile))
         self.moe_layers = policy.moe_layers()
         self.step_count = 0
         # Phase timings (Prometheus), on-demand traces, and from cfg.probe the monitor and dumps, as in
