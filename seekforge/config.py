@@ -288,7 +288,7 @@ class EngineConfig:
     speculative_tokens: int = 0  # k > 0: the model's MTP modules draft k tokens, one target pass verifies them
     num_scheduler_steps: int = 1  # N > 1: N decode steps per scheduler pass while no prefill waits
     enable_lora: bool = False  # serve LoRA adapters (serve/lora.py), loaded at start or at run time
-    compile: bool = False  # batch-1 decode steps as one torch.compile'd program (serve/compiled.py), built at start
+    compile: bool = False  # decode steps as torch.compile'd programs (serve/compiled.py), compiled at start
 
     def __post_init__(self):
         if self.kv_cache_dtype not in ("auto", "int8"):

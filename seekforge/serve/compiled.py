@@ -6,15 +6,17 @@ sequence the ops cost about as much as the matmuls. `torch.compile` (inductor) t
 model's own modules, with the latent cache below standing in for the paged one — and fuses the ops
 between the matmuls into a few generated C++ kernels: the role CUDA graphs play for vLLM's GPU decode.
 Measured on the serving benchmarks' model (hidden 512, kv_lora_rank 512, fp32, 2 threads; BENCHMARKS.md):
-batch 1 ~5 against ~8-9.5 ms/token, 64 rows ~50 against ~57 ms a step; the same greedy tokens.
+batch 1 4.1-4.5 against 7.1-7.8 ms/token, 64 requests 1,009-1,059 against 917-939 new tok/s; the same greedy
+tokens.
 
 The steps it runs are the plain decode steps that read the dense decode rows (kv_cache.DenseRows): the
 latents each row computes go to their pool slot, as always, and to its dense row, which attention then
 reads. Three programs, each traced once with dynamic shapes (every context length, dense capacity and
-batch size) and compiled at engine start (`warm_up`; ~15-45 s each on 2 cores the first time, then from
+batch size) and compiled at engine start (`warm_up`; the three ~130 s on 2 cores the first time, ~45 s with
 inductor's on-disk cache): one sequence (its experts' weights read as views, model/moe.py), several
 sequences of one context length, and several of different lengths (masked). Everything else — prefill
-chunks, speculative verifies, LoRA rows, int8 latents, the first step of a decoding set — runs eagerly.
+chunks, speculative verifies, LoRA rows, int8 latents, the first two steps of a new set of decoding sequences
+(a gather, then the dense rows' build) — runs eagerly.
 """
 
 from __future__ import annotations
