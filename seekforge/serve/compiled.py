@@ -22,6 +22,7 @@ chunks, speculative verifies, LoRA rows, int8 latents, the first two steps of a 
 from __future__ import annotations
 
 import logging
+import types
 
 import torch
 import torch.fx.experimental._config as shape_config
@@ -62,8 +63,9 @@ def decode_rows(model, ids, positions, slots, write_index, context_len: int, mas
     return hidden[0]
 
 
-# One entry point per program: compiled code is cached on the traced function's code object, and with the
-# guards skipped (below) a shared one would run whichever program was compiled first.
+# One entry point per program, and each CompiledDecode compiles copies of them with code objects of their own
+# (`_own_copy`): torch.compile caches compiled code on the traced function's code object, and with the guards
+# skipped (below) a shared one would run whichever program, of whichever engine, was compiled first.
 def decode_one(*args):
     """One sequence (B = 1: its experts' weights as views, model/moe.py)."""
     return decode_rows(*args)
@@ -82,6 +84,11 @@ def decode_masked(*args):
 PROGRAMS = {"one": decode_one, "rows": decode_uniform, "masked": decode_masked}
 
 
+def _own_copy(fn):
+    """fn with a fresh code object, so that its compiled code is this copy's alone."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
 class CompiledDecode:
     """The compiled decode steps over a runner's pools and dense rows."""
 
@@ -94,7 +101,7 @@ class CompiledDecode:
         # No guards: checking them read every parameter's metadata (~0.3 ms a step); each program is called
         # only in the kind of step it was traced for (`applies`, `_program`), on the same modules.
         options = {"cpp_wrapper": True, "guard_filter_fn": torch.compiler.skip_all_guards_unsafe}
-        self.programs = {name: torch.compile(fn, dynamic=True, fullgraph=True, options=options)
+        self.programs = {name: torch.compile(_own_copy(fn), dynamic=True, fullgraph=True, options=options)
                          for name, fn in PROGRAMS.items()}
 
     @staticmethod

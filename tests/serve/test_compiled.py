@@ -96,10 +96,11 @@ def test_a_failed_compile_serves_eagerly(tiny_model, byte_tokenizer, monkeypatch
         eager.generate([prompt], greedy(8))[0].outputs[0].token_ids
 
 
-def test_bf16_programs_follow_eager(byte_tokenizer):
+def test_bf16_programs_follow_eager(compiled_llm, tiny_model, byte_tokenizer):
     """bf16: the experts' batch at oneDNN's bucketed sizes (ExpertSlots.traced's other branch). The fused
     kernels keep fp32 intermediates where the eager ops round to bf16, so greedy tokens may part at a near-tie:
-    logprobs are compared up to the first difference, loosely."""
+    logprobs are compared up to the first difference, loosely. Built beside the fp32 engine, each engine runs
+    its own programs (with no guards, a shared compile cache would hand one the other's)."""
     model = build_model(preset("tiny"), seed=0).eval()
     model.cast(torch.bfloat16)
     compiled = LLM(model, byte_tokenizer, block_size=8, num_kv_blocks=64, compile=True)
@@ -113,3 +114,7 @@ def test_bf16_programs_follow_eager(byte_tokenizer):
         same = next((i for i, (a, b) in pairs if a != b), len(got.token_ids))
         assert same >= 3  # the prefill and the first two decode steps are eager in both
         torch.testing.assert_close(logprobs(got)[:same], logprobs(want)[:same], rtol=0, atol=0.05)
+    fp32_eager = LLM(tiny_model, byte_tokenizer, block_size=8, num_kv_blocks=64)
+    prompt = list(range(100, 130))
+    assert compiled_llm.generate([prompt], greedy(10))[0].outputs[0].token_ids == \
+        fp32_eager.generate([prompt], greedy(10))[0].outputs[0].token_ids
