@@ -22,6 +22,7 @@ chunks, speculative verifies, LoRA rows, int8 latents, the first two steps of a 
 from __future__ import annotations
 
 import logging
+import time
 import types
 
 import torch
@@ -151,6 +152,9 @@ class CompiledDecode:
         device, dtype = cache.c_kv.device, cache.dtype
         width = cache.c_kv.shape[-1] + cache.k_pe.shape[-1]
         context_len, capacity = 5, 128  # sizes no other input has, none of them 1
+        log.info("compiling the decode steps (torch.compile, %d programs; ~2 min on 2 cores the first time, "
+                 "less from the compile cache)", len(self.programs))
+        start = time.perf_counter()
         for program, rows in (("one", 1), ("rows", 3), ("masked", 3)):
             dense = [torch.zeros(rows, capacity, width, dtype=dtype, device=device) for _ in self.caches]
             ids = torch.zeros(1, rows, dtype=torch.long, device=device)
@@ -163,4 +167,5 @@ class CompiledDecode:
             except Exception as err:  # noqa: BLE001 - any compiler failure means: serve eagerly
                 log.warning("compiled decode steps unavailable, decoding eagerly: %s", str(err).splitlines()[0])
                 return False
+        log.info("decode steps compiled in %.0f s", time.perf_counter() - start)
         return True
