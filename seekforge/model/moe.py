@@ -483,7 +483,9 @@ class MoE(nn.Module):
         """The routed experts' output by a path for inference without autograd (None: take the general
         one): batch 1 → GroupedExperts.forward_one_token; on CPU → GroupedExperts.forward_batched, while its
         padding stays within MAX_BATCHED_PADDING (oneDNN's dtypes) or MAX_BATCHED_PADDING_FP32 (a few hot
-        experts, as at prefill sizes, would make the zero rows cost more than the per-expert loop's calls)."""
+        experts, as at prefill sizes, would make the zero rows cost more than the per-expert loop's calls).
+        Traced by torch.compile (serve/compiled.py), both take their traced forms, and a CPU batch is always the
+        padded one: which is cheaper depends on the routing, which a compiled step cannot branch on."""
         if not self._plain_inference(x):
             return None
         if x.shape[0] == 1:
