@@ -100,7 +100,7 @@ class CompiledDecode:
         # break would bring back the eager ops this exists to remove, so tracing one is an error. cpp_wrapper:
         # the step's kernel calls from generated C++ rather than Python (batch 1: 5.6-6.8 vs 7.1-8.7 ms/token).
         # No guards: checking them read every parameter's metadata (~0.3 ms a step); each program is called
-        # only in the kind of step it was traced for (`applies`, `_program`), on the same modules.
+        # only in the kind of step it was traced for (`applies`, `__call__`), on the same modules.
         options = {"cpp_wrapper": True, "guard_filter_fn": torch.compiler.skip_all_guards_unsafe}
         self.programs = {name: torch.compile(_own_copy(fn), dynamic=True, fullgraph=True, options=options)
                          for name, fn in PROGRAMS.items()}
