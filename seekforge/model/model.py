@@ -130,9 +130,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # over the two halves
     half = x.shape[-1] // 2
-    # (..., 2, dr/2) = [x1; x2], a view: five ops where [x1·cos − x2·sin | x2·cos + x1·sin] took nine (each op
-    # costs microseconds at decode sizes); the same products and sums, so the same bits
+    # (..., 2, dr/2) = [x1; x2]: five ops where [x1·cos − x2·sin | x2·cos + x1·sin] took nine (each op costs
+    # microseconds at decode sizes); the same products and sums, so the same bits. Copied contiguous first:
+    # x is a slice of q or of the latent projection, and the interleaved pairs a transposed view of it, which
+    # the elementwise ops walk slowly (a 2,048-token prefill's q: 2.3 vs 0.7 ms bf16; forward + backward
+    # at training sizes, ~2x).
     pairs = x.unflatten(-1, (half, 2)).transpose(-1, -2) if interleave else x.unflatten(-1, (2, half))
+    pairs = pairs.contiguous()
     rotated = pairs.flip(-2) * sin  # [x2·sin; x1·sin]
     rotated[..., 0, :].neg_()
     return (pairs * cos).add_(rotated).flatten(-2)
@@ -196,10 +200,11 @@ class MLA(nn.Module):
         return w.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=1)
 
     # -- attention over latents ---------------------------------------------------------------
-    def attend_naive(self, q_nope, q_pe, c_kv, k_pe, mask=None, is_causal=False, kv_b_weight=None):
+    def attend_naive(self, q_nope, q_pe, c_kv, k_pe, mask=None, is_causal=False, kv_b_weight=None, fused=False):
         """q_* (B, T, nh, ·), c_kv (B, S, r), k_pe (B, S, dr); mask (B|1, 1|nh, T, S) bool, True = keep,
         or the DocumentLayout of packed documents (then T = S); kv_b_weight: used instead of kv_b_proj's
-        (serving merges a LoRA into it). Returns (B, T, nh·dv)."""
+        (serving merges a LoRA into it); fused: inference without autograd, on PyTorch's fused attention
+        kernel also on a CPU (see _attention). Returns (B, T, nh·dv)."""
         cfg = self.cfg
         b, s = c_kv.shape[:2]
         kv = self.kv_b_proj(c_kv) if kv_b_weight is None else F.linear(c_kv, kv_b_weight)
@@ -209,15 +214,15 @@ class MLA(nn.Module):
         q = torch.cat([q_nope, q_pe], dim=-1)
         if isinstance(mask, DocumentLayout):  # packed documents: causal attention within each one
             q, k, v = (mask.to_documents(t) for t in (q, k, v))  # (D, L, nh, ·)
-            out = self._attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, True)
+            out = self._attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, True, fused)
             return mask.from_documents(out.transpose(1, 2)).flatten(2)  # (B, T, nh·dv)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh, T|S, ·)
-        out = self._attention(q, k, v, mask, is_causal)
+        out = self._attention(q, k, v, mask, is_causal, fused)
         return out.transpose(1, 2).reshape(b, q.shape[2], -1)  # (B, T, nh·dv)
 
-    def _attention(self, q, k, v, mask, is_causal):
+    def _attention(self, q, k, v, mask, is_causal, fused=False):
         """q (B, nh, T, dqk), k (B, nh, S, dqk), v (B, nh, S, dv) → (B, nh, T, dv)."""
-        if q.device.type == "cpu":
+        if q.device.type == "cpu" and not fused:
             # PyTorch's CPU SDPA kernels run at ~100 GFLOP/s fwd+bwd here (the fused flash kernel also
             # needs v padded to dqk); attention as plain batched matmuls is ~1.5x faster (2 threads).
             if torch.is_autocast_enabled("cpu"):  # autocast runs SDPA in its dtype; a Function is not cast
@@ -228,6 +233,14 @@ class MLA(nn.Module):
             if mask is None and is_causal:
                 mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
             return MatmulAttention.apply(q, k, v, mask, self.softmax_scale)
+        if q.device.type == "cpu" and v.shape[-1] < q.shape[-1]:
+            # Forward only, the CPU flash kernel wins: it skips the causal half and never writes the scores
+            # (a 2,048-token prompt's layer: 7 vs 60 ms bf16, 26 vs 117 ms fp32, 2 threads). It wants v as wide
+            # as q and k (else its unfused path, 3-30x slower), so v is zero-padded and the padding dropped.
+            v_pad = F.pad(v, (0, q.shape[-1] - v.shape[-1]))
+            out = F.scaled_dot_product_attention(q, k, v_pad, attn_mask=mask, is_causal=is_causal and mask is None,
+                                                 scale=self.softmax_scale)
+            return out[..., :v.shape[-1]]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal and mask is None,
                                               scale=self.softmax_scale)
 

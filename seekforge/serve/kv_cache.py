@@ -37,7 +37,8 @@ from dataclasses import dataclass
 import torch
 
 from seekforge.config import ModelConfig
-from seekforge.model.precision import onednn
+from seekforge.model.model import SCORES_CHUNK_BYTES, DocumentLayout
+from seekforge.model.precision import onednn, onednn_size
 from seekforge.quant.schemes import quantize_activation
 
 
@@ -56,6 +57,8 @@ class AttentionMetadata:
     decode_adapter: torch.Tensor | None = None  # (Nd,) int64
     prefill_adapters: list[int] | None = None
     dense: DenseStep | None = None  # decode rows read the dense rows (see DenseRows) instead of a gather
+    # first chunk of a run of fresh prompt chunks → (chunks in the run, their DocumentLayout): see fresh_runs
+    prefill_runs: dict[int, tuple[int, DocumentLayout]] | None = None
 
 
 @dataclass
@@ -68,6 +71,29 @@ class DenseStep:
     context_len: int  # the longest decode context this step (rows are read up to it; shorter ones masked)
     write_index: torch.Tensor | None  # (Nd,) int64 row · capacity + position: where this step's latents go
     uniform: bool = False  # every row's context is context_len: nothing to mask (batch 1 always)
+
+
+def fresh_runs(query_lens: list[int], starts: list[int], num_heads: int,
+               device) -> dict[int, tuple[int, DocumentLayout]]:
+    """Prefill chunks (their query lengths and first positions, in flat order) → the runs of two or more
+    adjacent fresh ones (a prompt's first chunk: no cached context) to attend as one batch of documents.
+    Attention one chunk at a time costs some 20 small ops per chunk and layer; 16 prompts of 128 tokens
+    (bf16, 2 threads): see BENCHMARKS.md. A run grows while the padding to its longest prompt keeps the padded
+    (D, L, L) scores within 2x of the chunks' own and within SCORES_CHUNK_BYTES."""
+    runs, i, n = {}, 0, len(query_lens)
+    while i < n:
+        j, longest, own = i, 0, 0
+        while j < n and starts[j] == 0:
+            size = max(longest, query_lens[j])
+            padded = (j - i + 1) * onednn_size(size) ** 2
+            if j > i and (padded > 2 * (own + query_lens[j] ** 2) or 4 * num_heads * padded > SCORES_CHUNK_BYTES):
+                break
+            longest, own, j = size, own + query_lens[j] ** 2, j + 1
+        if j - i >= 2:
+            segments = torch.repeat_interleave(torch.arange(j - i), torch.tensor(query_lens[i:j]))
+            runs[i] = (j - i, DocumentLayout(segments[None].to(device), onednn_size))
+        i = max(j, i + 1)
+    return runs
 
 
 def mask_width(mask: torch.Tensor, width: int) -> torch.Tensor:
@@ -223,8 +249,23 @@ class PagedLatentCache:
                                                      kv_b_weight=weight)
             outs.append(out[:, 0])
         start = nd
+        # a run of fresh prompts attends from this step's own latents, as one batch of documents: the int8
+        # pool's rounded latents, or a LoRA's kv_b_proj per prompt, take the per-chunk path
+        runs = md.prefill_runs if md.prefill_runs and self.c_kv_scale is None and not (
+            md.prefill_adapters is not None and self.kv_b_name is not None) else {}
+        skip_to = 0
         for i, (table, q_len, ctx_len, mask) in enumerate(zip(md.prefill_block_tables, md.prefill_query_lens,
                                                               md.prefill_context_lens, md.prefill_masks, strict=True)):
+            if i < skip_to:
+                continue
+            if i in runs:
+                count, layout = runs[i]
+                end = start + sum(md.prefill_query_lens[i:i + count])
+                rows = slice(start, end)
+                outs.append(attn.attend_naive(q_nope[:, rows], q_pe[:, rows], c_kv[:, rows], k_pe[:, rows],
+                                              mask=layout, fused=True)[0])
+                start, skip_to = end, i + count
+                continue
             ctx_c_kv = self._read("c_kv", table).view(-1, r)[None, :ctx_len]  # (1, S, r)
             ctx_k_pe = self._read("k_pe", table).view(-1, dr)[None, :ctx_len]
             end = start + q_len
@@ -232,7 +273,7 @@ class PagedLatentCache:
             if md.prefill_adapters is not None and self.kv_b_name is not None:
                 weight = md.lora.merged_kv_b(attn.kv_b_proj, self.kv_b_name, md.prefill_adapters[i])
             out = attn.attend_naive(q_nope[:, start:end], q_pe[:, start:end], ctx_c_kv, ctx_k_pe, mask=mask,
-                                    kv_b_weight=weight)
+                                    kv_b_weight=weight, fused=True)
             outs.append(out[0])
             start = end
         return torch.cat(outs)[None] if len(outs) > 1 else outs[0][None]

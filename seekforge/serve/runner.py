@@ -20,7 +20,14 @@ from seekforge.config import EngineConfig
 from seekforge.model.model import Transformer
 from seekforge.model.precision import onednn
 from seekforge.serve.compiled import CompiledDecode
-from seekforge.serve.kv_cache import AttentionMetadata, DenseRows, GatherScratch, PagedLatentCache, bytes_per_block
+from seekforge.serve.kv_cache import (
+    AttentionMetadata,
+    DenseRows,
+    GatherScratch,
+    PagedLatentCache,
+    bytes_per_block,
+    fresh_runs,
+)
 from seekforge.serve.lora import LoRAManager
 from seekforge.serve.scheduler import ScheduledBatch
 from seekforge.serve.sequence import Sequence
@@ -177,6 +184,9 @@ class Runner:
             prefill_masks=[torch.ones(len(c.token_ids), c.start + len(c.token_ids), dtype=torch.bool, device=to)
                            .tril(c.start) for c in prefills],
         )
+        if len(prefills) > 1:
+            metadata.prefill_runs = fresh_runs(metadata.prefill_query_lens, [c.start for c in prefills],
+                                               self.model.cfg.num_attention_heads, to)
         if dense:
             if nd and nd == len(decodes):  # every decode row a plain one-token decode
                 metadata.dense = self.dense_rows.plan([c.seq.seq_id for c in decodes], pos[:nd].tolist(), to)

@@ -338,6 +338,31 @@ def test_document_layout_attention_equals_dense_mask(segments):
             torch.testing.assert_close(layout_value, dense_value, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_fused_naive_attention_equals_matmul_attention(dtype, tol):
+    """attend_naive's inference path on PyTorch's fused kernel (v zero-padded to the qk width) against the
+    batched matmuls it replaces: causal, a cached prefix's mask, and packed documents. bf16 within bf16's
+    rounding: the matmul path rounds its scores and probabilities to bf16, the fused kernel keeps fp32."""
+    cfg = preset("tiny")
+    attn = build_model(cfg).layers[0].self_attn.to(dtype)
+    gen = torch.Generator().manual_seed(0)
+    nh, dr = cfg.num_attention_heads, cfg.qk_rope_head_dim
+    t, s = 6, 10
+
+    def inputs(b, t, s):
+        return [torch.randn(b, t, nh, cfg.qk_nope_head_dim, generator=gen).to(dtype),
+                torch.randn(b, t, nh, dr, generator=gen).to(dtype),
+                torch.randn(b, s, cfg.kv_lora_rank, generator=gen).to(dtype), torch.randn(b, s, dr, generator=gen).to(dtype)]
+
+    cases = [(inputs(2, t, t), {"is_causal": True}),
+             (inputs(1, t, s), {"mask": torch.ones(t, s, dtype=torch.bool).tril(s - t)}),
+             (inputs(1, 12, 12), {"mask": DocumentLayout(torch.tensor([[0] * 5 + [1] * 7]), lambda n: n + 2)})]
+    with torch.inference_mode():
+        for args, kwargs in cases:
+            fused = attn.attend_naive(*args, **kwargs, fused=True)
+            torch.testing.assert_close(fused, attn.attend_naive(*args, **kwargs), atol=tol, rtol=tol)
+
+
 def test_meta_init_allocates_nothing():
     model = build_model(preset("v3-671b"), device="meta")
     assert all(p.is_meta for p in model.parameters())

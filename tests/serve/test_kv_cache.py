@@ -5,7 +5,11 @@ import pytest
 import torch
 
 from seekforge.config import preset
-from seekforge.serve.kv_cache import GatherScratch, PagedLatentCache, zeros_on_demand
+from seekforge.model.model import build_model
+from seekforge.model.tokenizer import load_tokenizer
+from seekforge.serve import LLM, SamplingParams
+from seekforge.serve import runner as runner_module
+from seekforge.serve.kv_cache import GatherScratch, PagedLatentCache, fresh_runs, zeros_on_demand
 
 
 def test_gather_into_shared_scratch_equals_indexing():
@@ -50,3 +54,38 @@ def test_pool_pages_arrive_on_first_touch():
     pool[7].fill_(1.0)
     assert _rss_bytes() - before < 32 * 2**20
     assert pool.sum() == 16 * 1024 and pool[8].abs().sum() == 0
+
+
+def test_fresh_runs_group_adjacent_first_chunks_of_similar_length():
+    """Runs of two or more adjacent prompt-first chunks; a chunk after a cached prefix (start > 0) ends a
+    run and goes alone; a prompt far longer than the run's would pad it over 2x, so it starts a new one."""
+    runs = fresh_runs([5, 7, 9, 4, 6, 6, 300, 280], [0, 0, 16, 0, 0, 0, 0, 0], num_heads=4, device="cpu")
+    assert {i: count for i, (count, _) in runs.items()} == {0: 2, 3: 3, 6: 2}
+    layout = runs[3][1]
+    assert (layout.num_documents, layout.max_len) == (3, 6)
+    assert fresh_runs([8], [0], 4, "cpu") == {} and fresh_runs([8, 8], [3, 0], 4, "cpu") == {}
+
+
+def test_a_step_of_several_prompts_scores_them_as_full_forwards(monkeypatch):
+    """Prompts of different lengths prefilled in one step (one run of documents, the fused attention), and a
+    longer one whose second chunk attends after its first (its own chunk, masked): every prompt logprob
+    equals a full forward of that prompt alone."""
+    model = build_model(preset("tiny"), seed=1).eval()
+    seen = []
+
+    def spy(*args):
+        seen.append(fresh_runs(*args))
+        return seen[-1]
+
+    monkeypatch.setattr(runner_module, "fresh_runs", spy)
+    llm = LLM(model, load_tokenizer("byte"), block_size=4, num_kv_blocks=128, max_num_batched_tokens=64)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (9, 12, 14, 11, 40)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=0))
+    assert any(count >= 4 for runs in seen for count, _ in runs.values())
+    for ids, out in zip(prompts, outs, strict=True):
+        with torch.no_grad():
+            logp = model(torch.tensor([ids])).float().log_softmax(-1)[0]
+        want = logp[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+        got = torch.tensor([e["logprob"] for e in out.prompt_logprobs[1:]])
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
