@@ -17,7 +17,9 @@ with context lengths n+1 … n+k+1 (causal among them), so it too runs the absor
 row / prefill chunk its block table and query/context lengths. Every layer's
 `PagedLatentCache.attend` (called from `MLA.forward`) writes this step's latents to their slots, then
   decodes  — one batched absorbed-MLA call over the gathered latents, padding masked out;
-  prefills — one naive-MLA call per chunk, causal over (cached context + chunk).
+  prefills — one naive-MLA call per chunk, causal over (cached context + chunk); adjacent first chunks of
+             prompts (nothing cached before them) as one call over a batch of documents (`fresh_runs`).
+             Both on PyTorch's fused attention kernel (`MLA.attend_naive(fused=True)`).
 
 Dense decode rows (`DenseRows`): gathering every decode row's blocks copies the whole decode context
 of every layer each step (64 rows × 192 tokens × 512 fp32 latents: 4.3 ms a layer, as long as the
