@@ -350,9 +350,8 @@ def test_fused_naive_attention_equals_matmul_attention(dtype, tol):
     t, s = 6, 10
 
     def inputs(b, t, s):
-        return [torch.randn(b, t, nh, cfg.qk_nope_head_dim, generator=gen).to(dtype),
-                torch.randn(b, t, nh, dr, generator=gen).to(dtype),
-                torch.randn(b, s, cfg.kv_lora_rank, generator=gen).to(dtype), torch.randn(b, s, dr, generator=gen).to(dtype)]
+        shapes = [(b, t, nh, cfg.qk_nope_head_dim), (b, t, nh, dr), (b, s, cfg.kv_lora_rank), (b, s, dr)]
+        return [torch.randn(shape, generator=gen).to(dtype) for shape in shapes]
 
     cases = [(inputs(2, t, t), {"is_causal": True}),
              (inputs(1, t, s), {"mask": torch.ones(t, s, dtype=torch.bool).tril(s - t)}),
