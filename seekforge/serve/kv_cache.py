@@ -251,34 +251,29 @@ class PagedLatentCache:
                                                      ctx_k_pe[rows], mask=None if mask is None else mask[rows],
                                                      kv_b_weight=weight)
             outs.append(out[:, 0])
-        start = nd
         # a run of fresh prompts attends from this step's own latents, as one batch of documents: the int8
         # pool's rounded latents, or a LoRA's kv_b_proj per prompt, take the per-chunk path
-        runs = md.prefill_runs if md.prefill_runs and self.c_kv_scale is None and not (
-            md.prefill_adapters is not None and self.kv_b_name is not None) else {}
-        skip_to = 0
-        for i, (table, q_len, ctx_len, mask) in enumerate(zip(md.prefill_block_tables, md.prefill_query_lens,
-                                                              md.prefill_context_lens, md.prefill_masks, strict=True)):
-            if i < skip_to:
-                continue
-            if i in runs:
-                count, layout = runs[i]
-                end = start + sum(md.prefill_query_lens[i:i + count])
-                rows = slice(start, end)
-                outs.append(attn.attend_naive(q_nope[:, rows], q_pe[:, rows], c_kv[:, rows], k_pe[:, rows],
-                                              mask=layout, fused=True)[0])
-                start, skip_to = end, i + count
-                continue
-            ctx_c_kv = self._read("c_kv", table).view(-1, r)[None, :ctx_len]  # (1, S, r)
-            ctx_k_pe = self._read("k_pe", table).view(-1, dr)[None, :ctx_len]
-            end = start + q_len
-            weight = None
-            if md.prefill_adapters is not None and self.kv_b_name is not None:
-                weight = md.lora.merged_kv_b(attn.kv_b_proj, self.kv_b_name, md.prefill_adapters[i])
-            out = attn.attend_naive(q_nope[:, start:end], q_pe[:, start:end], ctx_c_kv, ctx_k_pe, mask=mask,
-                                    kv_b_weight=weight, fused=True)
+        lora_kv_b = md.prefill_adapters is not None and self.kv_b_name is not None
+        runs = md.prefill_runs if md.prefill_runs and self.c_kv_scale is None and not lora_kv_b else {}
+        i, start = 0, nd
+        while i < len(md.prefill_query_lens):
+            count, layout = runs.get(i, (1, None))
+            end = start + sum(md.prefill_query_lens[i:i + count])
+            rows = slice(start, end)
+            if layout is not None:
+                out = attn.attend_naive(q_nope[:, rows], q_pe[:, rows], c_kv[:, rows], k_pe[:, rows], mask=layout,
+                                        fused=True)
+            else:
+                table, ctx_len = md.prefill_block_tables[i], md.prefill_context_lens[i]
+                ctx_c_kv = self._read("c_kv", table).view(-1, r)[None, :ctx_len]  # (1, S, r)
+                ctx_k_pe = self._read("k_pe", table).view(-1, dr)[None, :ctx_len]
+                weight = None
+                if lora_kv_b:
+                    weight = md.lora.merged_kv_b(attn.kv_b_proj, self.kv_b_name, md.prefill_adapters[i])
+                out = attn.attend_naive(q_nope[:, rows], q_pe[:, rows], ctx_c_kv, ctx_k_pe, mask=md.prefill_masks[i],
+                                        kv_b_weight=weight, fused=True)
             outs.append(out[0])
-            start = end
+            i, start = i + count, end
         return torch.cat(outs)[None] if len(outs) > 1 else outs[0][None]
 
     def _dense(self, md: AttentionMetadata, nd: int, c_kv: torch.Tensor, k_pe: torch.Tensor):
