@@ -176,7 +176,7 @@ def main():
     from seekforge.config import preset
 
     width = preset(args.preset).hidden_size
-    dtype, _ = machine_header(args.dtype, hidden_size=width, batched=True)
+    dtype, _ = machine_header(args.dtype, hidden_size=width)
     name = next(key for key, value in DTYPES.items() if value == dtype)
     # TRL runs in seekforge's dtype, and in fp32 too where that is bf16 (its bf16=True is autocast over
     # everything, which need not be its faster choice): its faster run is the one compared.

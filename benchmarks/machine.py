@@ -29,12 +29,12 @@ def parse_args(parser, threads: int | None = None):
     return args
 
 
-def machine_header(dtype_name: str = "auto", probe_peak: bool = True, hidden_size: int | None = None,
-                   batched: bool = False) -> tuple[torch.dtype, float]:
-    """Print the machine lines; return (the resolved dtype, its measured matmul peak in FLOP/s). hidden_size
-    and batched: the benchmarked model's width and workload, which `auto` weighs as the product does
+def machine_header(dtype_name: str = "auto", probe_peak: bool = True,
+                   hidden_size: int | None = None) -> tuple[torch.dtype, float]:
+    """Print the machine lines; return (the resolved dtype, its measured matmul peak in FLOP/s). hidden_size:
+    the benchmarked model's width, which `auto` weighs as the product does
     (model/precision.resolve_dtype)."""
-    dtype, why = resolve_dtype(dtype_name, hidden_size=hidden_size, batched=batched)
+    dtype, why = resolve_dtype(dtype_name, hidden_size=hidden_size)
     print(f"machine: {platform.machine()}, CPU capability {torch.backends.cpu.get_cpu_capability()} "
           f"(native bf16 matmul: {'yes' if cpu_has_native_bf16() else 'no'}), {torch.get_num_threads()} torch "
           f"threads, torch {torch.__version__}")

@@ -4,13 +4,13 @@ same dtype, same workload, one run.
     PYTHONPATH=. python benchmarks/serve_peers.py                 # installs the peers, then measures
     PYTHONPATH=. python benchmarks/serve_peers.py --skip-install  # peers already in --envs
     PYTHONPATH=. python benchmarks/serve_peers.py --dry-run       # tiny model, seekforge only; prints the peer steps
-    PYTHONPATH=. python benchmarks/serve_peers.py --skip-install --dtype bf16  # on a CPU with native bf16
+    PYTHONPATH=. python benchmarks/serve_peers.py --skip-install --dtype fp32  # the other dtype
 
 Model: the `small` preset with kv_lora_rank 512 and qk_rope_head_dim 64 (vLLM's CPU MLA kernel only
 takes a latent head of 576 = 512 + 64; it refuses `small`'s 160), MTP off (neither peer runs it),
-random weights (seed 0) written once as an fp32 HF checkpoint. One dtype for all three engines: fp32 by
-default, which every CPU runs; `--dtype bf16` on a CPU with native bf16 matmuls (AVX512-BF16/AMX), where
-it is the fast dtype (each engine casts the same fp32 weights; llama.cpp gets a bf16 GGUF and KV cache).
+random weights (seed 0) written once as an fp32 HF checkpoint. One dtype for all three engines: by default
+the one seekforge's `auto` picks for this model (bf16 on a CPU with fast native bf16 matmuls, AVX512-BF16/AMX;
+fp32 elsewhere); each engine casts the same fp32 weights, llama.cpp gets a GGUF and KV cache in that dtype.
 Workload: 64 requests × (128 random prompt tokens + 128 new), greedy, ignore EOS; batch-1 decode of 128
 tokens (ms/token after the first token, best of 3). seekforge runs with EngineConfig.compile (`seekforge serve
 --compile`: its decode steps as torch.compile'd programs, serve/compiled.py), as vLLM compiles its model at
@@ -253,8 +253,9 @@ def main() -> None:
     p.add_argument("--dry-run", action="store_true",
                    help="tiny model and workload, seekforge only; print the peers' install steps without running them")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="cores for every engine")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
-                   help="the one dtype all engines run (bf16: for CPUs with native bf16 matmuls; default fp32)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
+                   help="the one dtype all engines run; auto (default): what seekforge's `auto` picks for this "
+                        "model, bf16 on CPUs with fast native bf16 matmuls, fp32 elsewhere")
     p.add_argument("--eager", action="store_true",
                    help="seekforge without --compile (its decode steps run op by op); by default the "
                         "table's seekforge row is the compiled engine and the eager engine gets a batch-1 row too")
@@ -273,7 +274,9 @@ def main() -> None:
     from seekforge.model.tokenizer import load_tokenizer
 
     torch.set_num_threads(args.threads)
-    dtype, _ = machine_header(args.dtype)
+    cfg = preset("tiny", **DRY_OVERRIDES) if args.dry_run else preset("small", **MODEL_OVERRIDES)
+    dtype, _ = machine_header(args.dtype, hidden_size=cfg.hidden_size)
+    dtype_name = "bf16" if dtype == torch.bfloat16 else "fp32"  # the peers are told this one
     peers = [] if args.dry_run else [n for n in args.peers.split(",") if n]
     unknown = set(peers) - set(WORKERS)
     if unknown:
@@ -284,11 +287,10 @@ def main() -> None:
                          f"--skip-install to make it (vLLM's takes ~30 min, llama.cpp's compiles from source), or "
                          f"leave them out with --peers")
     n, prompt_len, new = (4, 16, 8) if args.dry_run else (64, 128, 128)
-    cfg = preset("tiny", **DRY_OVERRIDES) if args.dry_run else preset("small", **MODEL_OVERRIDES)
     envs = Path(args.envs)
     envs.mkdir(parents=True, exist_ok=True)
     print(f"model: {'tiny' if args.dry_run else 'small'} preset, kv_lora_rank {cfg.kv_lora_rank}, qk_rope_head_dim "
-          f"{cfg.qk_rope_head_dim}, MTP off, {cfg.num_params()['total'] / 1e6:.1f}M parameters, {args.dtype}; "
+          f"{cfg.qk_rope_head_dim}, MTP off, {cfg.num_params()['total'] / 1e6:.1f}M parameters, {dtype_name}; "
           f"{n} requests × ({prompt_len} + {new}), greedy; {args.threads} threads per engine")
 
     for name, install in (("vllm", install_vllm), ("llamacpp", install_llamacpp)):
@@ -299,9 +301,9 @@ def main() -> None:
     model = build_model(cfg, seed=0).eval()
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, cfg.vocab_size, (n, prompt_len), generator=gen).tolist()
-    gguf_type = {"fp32": "f32", "bf16": "bf16"}[args.dtype]
+    gguf_type = {"fp32": "f32", "bf16": "bf16"}[dtype_name]
     work = {"model_dir": str(envs / "model"), "gguf": str(envs / f"model-{gguf_type}.gguf"), "prompts": prompts,
-            "new": new, "dtype": args.dtype, "requests": n, "max_len": prompt_len + new + 16, "out_dir": str(envs)}
+            "new": new, "dtype": dtype_name, "requests": n, "max_len": prompt_len + new + 16, "out_dir": str(envs)}
     if peers:
         save_hf(model, work["model_dir"])
         load_tokenizer("byte").save(work["model_dir"])

@@ -99,7 +99,7 @@ def main() -> None:
         child(args.child, args.dtype)
         return
     width = train_config(False, "fp32").model_config().hidden_size
-    dtype, _ = machine_header(args.dtype, hidden_size=width, batched=True)
+    dtype, _ = machine_header(args.dtype, hidden_size=width)
     args.dtype = dtype_name = "bf16" if dtype == torch.bfloat16 else "fp32"  # every child gets the resolved dtype
     cfg = train_config(False, args.dtype)
     print(f"default pretrain config: preset {cfg.preset}, batch {cfg.micro_batch_size}×{cfg.seq_len}, {dtype_name} "

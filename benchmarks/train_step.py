@@ -141,7 +141,7 @@ def main() -> None:
         return
 
     cfg = model_config()
-    dtype, peak = machine_header(args.dtype, hidden_size=cfg.hidden_size, batched=True)
+    dtype, peak = machine_header(args.dtype, hidden_size=cfg.hidden_size)
     args.dtype = "bf16" if dtype == torch.bfloat16 else "fp32"  # both sides get the resolved dtype
     dtype_name = str(dtype).removeprefix("torch.")
     fpt = flops_per_token(cfg, SEQ, with_mtp=False)

@@ -10,8 +10,7 @@ each dtype (once per process, ~50 ms) and keeps bf16 only where it measured at l
 near that ratio the pick can differ between runs — give bf16 or fp32 for a fixed one. Under torchrun
 (WORLD_SIZE > 1) the flags alone decide, so that every rank picks the same dtype. Nor does a fast 1024³
 probe speak for a narrow model's small matmuls: given the model's width, `auto` keeps fp32 on a CPU below
-CPU_MIN_BF16_HIDDEN (serving, one-off generation) or CPU_MIN_BF16_HIDDEN_BATCHED (training, GRPO's batched
-rollouts).
+CPU_MIN_BF16_HIDDEN.
 
 SEEKFORGE_CPU_BF16=0 (or 1) overrides the CPU detection, e.g. to try the fp32 path on a bf16 machine.
 torch's own ATEN_CPU_CAPABILITY=avx2 also counts as a CPU without native bf16.
@@ -38,11 +37,10 @@ def cpu_has_native_bf16() -> bool:
     return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
-def auto_dtype_help(batched: bool = False) -> str:
+def auto_dtype_help() -> str:
     """What `auto` means, for --help texts and messages (resolve_dtype is the rule itself)."""
-    width = CPU_MIN_BF16_HIDDEN_BATCHED if batched else CPU_MIN_BF16_HIDDEN
     return ("bf16 on GPUs, and on CPUs whose native bf16 matmuls (AVX512-BF16/AMX) measure faster than fp32's "
-            f"for a model at least {width} wide; fp32 elsewhere")
+            f"for a model at least {CPU_MIN_BF16_HIDDEN} wide; fp32 elsewhere")
 
 
 # bf16 must measure at least this many times fp32's matmul speed for `auto` to pick it on a CPU
@@ -81,35 +79,31 @@ def _ranks() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-# Below these widths `auto` keeps fp32 on a CPU even when its bf16 matmuls are fast: the matmuls are too
-# small for the bf16 kernels to outrun fp32 (oneDNN, which runs them, also costs ~30 µs a call against
-# ~10 µs for MKL's fp32 at one row), and the casts around them remain. Measured on an AMX CPU whose 1024³
-# bf16 matmul ran 3.6-4x fp32's (2 threads), after the experts' row counts were bucketed (model/moe.py
-# BucketedRows): the `small` preset (hidden 512) trained at 2,412 vs ~1,450 tok/s in bf16 vs fp32, but
-# decoded at batch 1 in 12.9-15.8 vs 10.3-10.5 ms/token; after the experts ran as one padded bmm at
-# inference (GroupedExperts.forward_batched), its GRPO iterations (64 rollouts of 128 tokens, then training)
-# took a median 12.6 s with bf16 rollouts against 13.7 s with fp32 ones. The default pretrain (hidden 192)
-# took 81 vs 95 s, ending at a worse loss (eval 0.236 vs 0.226) with 1.5x the peak RSS. So batched work
-# (training, GRPO's rollouts) goes bf16 from 512 wide, latency-bound inference (serving, generation) from 1024.
-CPU_MIN_BF16_HIDDEN = 1024
-CPU_MIN_BF16_HIDDEN_BATCHED = 512
+# Below this width `auto` keeps fp32 on a CPU even when its bf16 matmuls are fast: the matmuls are too small
+# for the bf16 kernels to outrun fp32 (oneDNN, which runs them, also costs ~30 µs a call against ~10 µs for
+# MKL's fp32 at one row), and the casts around them remain. The default pretrain (hidden 192) took 81 vs 95 s
+# in bf16 vs fp32 on an AMX CPU, ending at a worse loss (eval 0.236 vs 0.226) with 1.5x the peak RSS, and
+# served no faster in bf16 on an AVX512-BF16 CPU without AMX (AMD EPYC, 2 threads: 64 × (128 + 128) at
+# 2,450-2,890 vs 2,600-3,040 new tok/s, batch 1 5.8-5.9 vs 4.7-5.5 ms/token). From 512 wide bf16 pays for
+# training, GRPO's rollouts and serving alike: the `small` preset trained at 2,412 vs ~1,450 tok/s (AMX) and
+# 1,649 vs 968 (AMD); its engine served 64 × (128 + 128) at 950-1,380 vs 600-900 new tok/s, batch 1 8.3-9.3
+# vs 15-17 ms/token (AMD, eager); kv_lora_rank 512, compiled: 1,900 vs 1,030 new tok/s, batch 1 3.3 vs
+# 4.2 ms/token (AMX; eager batch 1 there: 7.4-7.7 vs 6.9 ms/token, the one row where fp32 stays ahead).
+CPU_MIN_BF16_HIDDEN = 512
 
 
-def resolve_dtype(name: str, device: str | torch.device = "cpu", hidden_size: int | None = None,
-                  batched: bool = False) -> tuple[torch.dtype, str]:
+def resolve_dtype(name: str, device: str | torch.device = "cpu",
+                  hidden_size: int | None = None) -> tuple[torch.dtype, str]:
     """'auto' | 'bf16' | 'fp32' (also 'bfloat16' / 'float32') → (dtype, a line saying why). hidden_size:
-    the model's width, when known — on a CPU, `auto` keeps fp32 below CPU_MIN_BF16_HIDDEN, or below
-    CPU_MIN_BF16_HIDDEN_BATCHED for `batched` work (training; GRPO's rollouts, many sequences at once)."""
+    the model's width, when known — on a CPU, `auto` keeps fp32 below CPU_MIN_BF16_HIDDEN."""
     name = {"bfloat16": "bf16", "float32": "fp32"}.get(name, name)
     if name in DTYPES:
         return DTYPES[name], f"{name} (asked for)"
     if name != "auto":
         raise ValueError(f"dtype {name!r} is not one of auto, bf16, fp32")
-    min_width = CPU_MIN_BF16_HIDDEN_BATCHED if batched else CPU_MIN_BF16_HIDDEN
-    if torch.device(device).type == "cpu" and hidden_size is not None and hidden_size < min_width:
-        work = "batched work (training, batched generation)" if batched else "serving"
-        return torch.float32, (f"fp32 (auto: hidden_size {hidden_size} < {min_width}: on a CPU, bf16 {work} pays "
-                               f"from {min_width} wide; --dtype bf16 to force)")
+    if torch.device(device).type == "cpu" and hidden_size is not None and hidden_size < CPU_MIN_BF16_HIDDEN:
+        return torch.float32, (f"fp32 (auto: hidden_size {hidden_size} < {CPU_MIN_BF16_HIDDEN}: on a CPU, bf16 pays "
+                               f"from {CPU_MIN_BF16_HIDDEN} wide; --dtype bf16 to force)")
     dtype = auto_dtype(device)
     if torch.device(device).type == "cuda":
         why = "GPU"

@@ -107,8 +107,7 @@ class GRPOTrainer:
         # engine runs on the policy's own tensors when it can; on a replica in the compute dtype (bf16) or
         # when the policy is FSDP-sharded (under torchrun), refreshed in place from the policy after every
         # update (no file).
-        self.compute_dtype, self.dtype_reason = resolve_dtype(cfg.dtype, self.device, policy.cfg.hidden_size,
-                                                              batched=True)
+        self.compute_dtype, self.dtype_reason = resolve_dtype(cfg.dtype, self.device, policy.cfg.hidden_size)
         self.sharded = _distributed() and cfg.fsdp
         self._replica_plan = None  # (transfers, source dtypes) from the FSDP policy to the replica
         self.engine_model = policy

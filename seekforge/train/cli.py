@@ -28,7 +28,7 @@ _FLAGS = [
     ("--lr", "lr", float, "peak learning rate"),
     ("--schedule", "schedule", str, "cosine | wsd (warmup-stable-decay)"),
     ("--dtype", "dtype", str,
-     f"auto ({auto_dtype_help(batched=True)}) | bf16 (bf16 weights over fp32 master weights) | fp32"),
+     f"auto ({auto_dtype_help()}) | bf16 (bf16 weights over fp32 master weights) | fp32"),
     ("--recompute", "recompute", str, "activation recompute: none | full | selective"),
     ("--seed", "seed", int, "model init and data order"),
     ("--out-dir", "out_dir", str, "run directory"),

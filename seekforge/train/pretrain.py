@@ -155,7 +155,7 @@ def _train(cfg: TrainConfig, pc: ParallelConfig | None, model_cfg: ModelConfig, 
     is_main = pc is None or dist.get_rank() == 0
     say = print if is_main else (lambda *a, **k: None)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    compute_dtype, dtype_reason = resolve_dtype(cfg.dtype, device, model_cfg.hidden_size, batched=True)
+    compute_dtype, dtype_reason = resolve_dtype(cfg.dtype, device, model_cfg.hidden_size)
     say(f"seekforge pretrain → {out_dir}")
     say(f"compute dtype: {dtype_reason}")
     model = build_model(model_cfg, device, torch.float32, seed=cfg.seed)  # fp32 master weights; same seed everywhere

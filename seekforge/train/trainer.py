@@ -106,8 +106,7 @@ class Trainer:
         self.tokens_per_step = cfg.micro_batch_size * cfg.seq_len * cfg.grad_accum  # global batch
         self.num_devices = dist.get_world_size() if _distributed() else 1
         self.flops_per_token = flops_per_token(model_cfg, cfg.seq_len, with_mtp=cfg.mtp_loss_scale > 0)
-        self.compute_dtype, self.dtype_reason = resolve_dtype(cfg.dtype, self.device, model_cfg.hidden_size,
-                                                              batched=True)
+        self.compute_dtype, self.dtype_reason = resolve_dtype(cfg.dtype, self.device, model_cfg.hidden_size)
         # bf16 on one process: persistent bf16 matmul weights over the fp32 masters (train/master.py)
         # instead of autocast casting every weight each forward; sharded layouts use FSDP2's policy.
         self.master_weights = (MasterWeights(model) if self.compute_dtype == torch.bfloat16 and self.runner is None

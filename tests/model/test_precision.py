@@ -58,14 +58,11 @@ def test_narrow_models_keep_fp32_on_a_cpu(monkeypatch, tmp_path):
     monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
     monkeypatch.setattr(precision, "cpu_bf16_speedup", lambda: 3.8)
     dtype, why = precision.resolve_dtype("auto", hidden_size=192)
-    assert dtype == torch.float32 and "hidden_size 192" in why
+    assert dtype == torch.float32 and "hidden_size 192 < 512" in why
     assert precision.resolve_dtype("auto", hidden_size=2048)[0] == torch.bfloat16
-    # batched work (training, GRPO rollouts) goes bf16 from 512 wide, serving and generation only from 1024
-    assert precision.resolve_dtype("auto", hidden_size=512)[0] == torch.float32
-    dtype, why = precision.resolve_dtype("auto", hidden_size=512, batched=True)
+    # training, rollouts and serving alike go bf16 from 512 wide
+    dtype, why = precision.resolve_dtype("auto", hidden_size=512)
     assert dtype == torch.bfloat16, why
-    dtype, why = precision.resolve_dtype("auto", hidden_size=192, batched=True)
-    assert dtype == torch.float32 and "hidden_size 192 < 512" in why and "training" in why
     assert precision.resolve_dtype("auto")[0] == torch.bfloat16  # width unknown: the measurement decides
     assert precision.resolve_dtype("bf16", hidden_size=192)[0] == torch.bfloat16
     assert precision.resolve_dtype("auto", "cuda", hidden_size=192)[0] == torch.bfloat16
