@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from seekforge.config import ModelConfig, rope_type, yarn_factor, yarn_get_mscale
+from seekforge.model.kernels import kernel_takes, latent_attention_ready
 from seekforge.model.moe import MLP, MoE
 from seekforge.model.precision import matmul_dtype, onednn_size, uses_onednn
 
@@ -274,7 +275,11 @@ class MLA(nn.Module):
         the keys (with v = c_kv alone it falls back to its unfused path, ~8x slower). 64 decode rows,
         kv_lora_rank 512, 64 × (128 + 128) generate, A/B: the layer's attention 3.4 vs 3.9 s fp32, 2.3 vs
         3.3 s bf16 (2 threads)."""
-        s, r = latents.shape[1], latents.shape[2] - self.cfg.qk_rope_head_dim
+        b, s, r = latents.shape[0], latents.shape[1], latents.shape[2] - self.cfg.qk_rope_head_dim
+        if t == 1 and latent_attention_ready() and kernel_takes(latents) and (mask is None or len(mask) == b):
+            # our AVX-512 kernel (model/kernels.py); a decode row's mask keeps a prefix of its latents
+            lengths = None if mask is None else mask.reshape(b, s).sum(-1)
+            return torch.ops.seekforge.latent_attention(q, latents, lengths, self.softmax_scale, r)
         if mask is not None and t > 1:  # (B|1, 1|nh, T, S) → (B|1, 1, nh·T, S), the query rows' order
             mask = mask.expand(*mask.shape[:-3], self.num_heads, t, s).flatten(-3, -2).unsqueeze(-3)
         out = F.scaled_dot_product_attention(q[:, None], latents[:, None], latents[:, None], attn_mask=mask,

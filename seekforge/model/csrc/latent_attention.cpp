@@ -1,0 +1,183 @@
+// Decode attention over MLA latents on a CPU with AVX-512 (seekforge/model/kernels.py builds and loads it).
+//
+// One sequence's M query rows (its heads: MLA's heads share their keys and values, the latents) attend to its
+// first `length` latent rows [c_kv | k_pe] (D wide); the values are the first R columns (c_kv). Per sequence:
+// the M x length scores (two latent rows at a time against every query row, fp32 accumulators), a softmax
+// per row, then the weighted sum (32 columns at a time, every query row), so each latent row is read from
+// memory once and stays in the caches for both passes. Sequences are split over the threads. bf16 latents
+// are widened to fp32 as they are loaded; all arithmetic is fp32.
+//
+// PyTorch's flash kernel runs the same shapes as two small GEMM calls per sequence (M = 8 rows for the
+// `small` preset), whose per-call costs dominate at decode sizes; see kernels.py for the measurements.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+#include <cmath>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+// the values of a row selected by k (16 at most) → fp32, zeros elsewhere
+inline __m512 load16(const float* p, __mmask16 k) { return _mm512_maskz_loadu_ps(k, p); }
+inline __m512 load16(const c10::BFloat16* p, __mmask16 k) {
+  __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+// the columns d … d+15 of a row n wide that exist
+inline __mmask16 columns(int64_t d, int64_t n) {
+  return n - d >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - d)) - 1);
+}
+
+// e^x for x <= 0 (softmax after the max is taken off): 2^n · p(r), r = x - n·ln2 in [-ln2/2, ln2/2]
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147181f), x);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// scores[m, s] = q[m] · lat[s] · scale for MB query rows and the S latent rows, two rows at a time
+template <int MB, typename T>
+void scores_block(const float* q, const T* lat, int64_t ld, int64_t S, int64_t D, float scale, float* scores,
+                  int64_t sld) {
+  int64_t s = 0;
+  for (; s + 2 <= S; s += 2) {
+    __m512 a0[MB], a1[MB];
+    for (int m = 0; m < MB; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
+    const T* l0 = lat + s * ld;
+    const T* l1 = l0 + ld;
+    for (int64_t d = 0; d < D; d += 16) {
+      const __mmask16 k = columns(d, D);
+      const __m512 x0 = load16(l0 + d, k), x1 = load16(l1 + d, k);
+      for (int m = 0; m < MB; ++m) {
+        const __m512 qv = _mm512_maskz_loadu_ps(k, q + m * D + d);
+        a0[m] = _mm512_fmadd_ps(qv, x0, a0[m]);
+        a1[m] = _mm512_fmadd_ps(qv, x1, a1[m]);
+      }
+    }
+    for (int m = 0; m < MB; ++m) {
+      scores[m * sld + s] = _mm512_reduce_add_ps(a0[m]) * scale;
+      scores[m * sld + s + 1] = _mm512_reduce_add_ps(a1[m]) * scale;
+    }
+  }
+  for (; s < S; ++s) {
+    __m512 a0[MB];
+    for (int m = 0; m < MB; ++m) a0[m] = _mm512_setzero_ps();
+    const T* l0 = lat + s * ld;
+    for (int64_t d = 0; d < D; d += 16) {
+      const __mmask16 k = columns(d, D);
+      const __m512 x0 = load16(l0 + d, k);
+      for (int m = 0; m < MB; ++m) a0[m] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, q + m * D + d), x0, a0[m]);
+    }
+    for (int m = 0; m < MB; ++m) scores[m * sld + s] = _mm512_reduce_add_ps(a0[m]) * scale;
+  }
+}
+
+// out[m, :R] = Σ_s p[m, s] · lat[s, :R] for MB rows, 32 columns at a time
+template <int MB, typename T>
+void weighted_sum_block(const float* p, int64_t pld, const T* lat, int64_t ld, int64_t S, int64_t R, float* out) {
+  for (int64_t d = 0; d < R; d += 32) {
+    const __mmask16 k0 = columns(d, R), k1 = d + 16 < R ? columns(d + 16, R) : __mmask16(0);
+    __m512 a0[MB], a1[MB];
+    for (int m = 0; m < MB; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < S; ++s) {
+      const T* l = lat + s * ld + d;
+      const __m512 x0 = load16(l, k0), x1 = load16(l + 16, k1);
+      for (int m = 0; m < MB; ++m) {
+        const __m512 w = _mm512_set1_ps(p[m * pld + s]);
+        a0[m] = _mm512_fmadd_ps(w, x0, a0[m]);
+        a1[m] = _mm512_fmadd_ps(w, x1, a1[m]);
+      }
+    }
+    for (int m = 0; m < MB; ++m) {
+      _mm512_mask_storeu_ps(out + m * R + d, k0, a0[m]);
+      _mm512_mask_storeu_ps(out + m * R + d + 16, k1, a1[m]);
+    }
+  }
+}
+
+void softmax_rows(float* scores, int64_t M, int64_t S, int64_t sld) {
+  for (int64_t m = 0; m < M; ++m) {
+    float* x = scores + m * sld;
+    float mx = -INFINITY;
+    for (int64_t s = 0; s < S; ++s) mx = std::max(mx, x[s]);
+    const __m512 vmx = _mm512_set1_ps(mx);
+    __m512 vsum = _mm512_setzero_ps();
+    int64_t s = 0;
+    for (; s + 16 <= S; s += 16) {
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(x + s), vmx));
+      _mm512_storeu_ps(x + s, e);
+      vsum = _mm512_add_ps(vsum, e);
+    }
+    if (s < S) {
+      const __mmask16 k = (1u << (S - s)) - 1;
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + s), vmx));
+      _mm512_mask_storeu_ps(x + s, k, e);
+      vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(k, e));
+    }
+    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(vsum));
+    for (s = 0; s + 16 <= S; s += 16) _mm512_storeu_ps(x + s, _mm512_mul_ps(_mm512_loadu_ps(x + s), inv));
+    for (; s < S; ++s) x[s] *= _mm512_cvtss_f32(inv);
+  }
+}
+
+template <typename T>
+void one_sequence(const float* q, const T* lat, int64_t ld, int64_t M, int64_t S, int64_t D, int64_t R, float scale,
+                  float* scores, float* out) {
+  int64_t m = 0;
+  for (; m + 8 <= M; m += 8) scores_block<8>(q + m * D, lat, ld, S, D, scale, scores + m * S, S);
+  for (; m < M; ++m) scores_block<1>(q + m * D, lat, ld, S, D, scale, scores + m * S, S);
+  softmax_rows(scores, M, S, S);
+  for (m = 0; m + 8 <= M; m += 8) weighted_sum_block<8>(scores + m * S, S, lat, ld, S, R, out + m * R);
+  for (; m < M; ++m) weighted_sum_block<1>(scores + m * S, S, lat, ld, S, R, out + m * R);
+}
+
+// q (B, M, D), latents (B, S, D) with contiguous rows, lengths (B,) int64 or none (all S) → (B, M, R) in q's dtype
+at::Tensor latent_attention(const at::Tensor& q, const at::Tensor& latents, const c10::optional<at::Tensor>& lengths,
+                            double scale, int64_t value_dim) {
+  TORCH_CHECK(q.dim() == 3 && latents.dim() == 3 && latents.size(0) == q.size(0) && latents.size(2) == q.size(2),
+              "latent_attention: q (B, M, D) and latents (B, S, D)");
+  TORCH_CHECK(latents.stride(2) == 1 && value_dim > 0 && value_dim <= q.size(2),
+              "latent_attention: contiguous latent rows, 0 < value_dim <= D");
+  TORCH_CHECK(latents.scalar_type() == at::kFloat || latents.scalar_type() == at::kBFloat16,
+              "latent_attention: fp32 or bf16 latents");
+  const int64_t B = q.size(0), M = q.size(1), D = q.size(2), S = latents.size(1), R = value_dim;
+  auto qf = q.to(at::kFloat).contiguous();
+  auto out = at::empty({B, M, R}, q.options().dtype(at::kFloat));
+  at::Tensor len;
+  if (lengths.has_value()) len = lengths->to(at::kLong).contiguous();
+  const int64_t* lp = len.defined() ? len.data_ptr<int64_t>() : nullptr;
+  auto run = [&](auto* base) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(base)>>;
+    const int64_t bs = latents.stride(0), rs = latents.stride(1);
+    const float* qp = qf.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+      std::vector<float> scores(M * S);
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t s = lp ? std::min<int64_t>(lp[b], S) : S;
+        one_sequence<T>(qp + b * M * D, base + b * bs, rs, M, s, D, R, (float)scale, scores.data(), op + b * M * R);
+      }
+    });
+  };
+  if (latents.scalar_type() == at::kBFloat16) run(latents.data_ptr<c10::BFloat16>());
+  else run(latents.data_ptr<float>());
+  return out.to(q.scalar_type());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(seekforge, m) {
+  m.def("latent_attention(Tensor q, Tensor latents, Tensor? lengths, float scale, int value_dim) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(seekforge, CPU, m) { m.impl("latent_attention", &latent_attention); }
