@@ -71,7 +71,7 @@ def build() -> bool:
     # the name carries a hash of source and flags: an edited kernel is rebuilt, never an old build loaded
     digest = hashlib.sha256((SOURCE.read_text() + " ".join(flags)).encode()).hexdigest()[:12]
     name = f"seekforge_latent_attention_{digest}"
-    log.info("building the CPU decode-attention kernel (once per machine, ~40 s): %s", name)
+    log.info("loading the CPU decode-attention kernel %s (the first use on a machine compiles it, ~15-40 s)", name)
     try:
         cpp_extension.load(name, [str(SOURCE)], extra_cflags=flags, is_python_module=False, verbose=False)
     except Exception as e:  # a broken toolchain must not stop serving: the fallback is correct, only slower
