@@ -4,12 +4,12 @@ At decode, each sequence's heads are the query rows of one attention over its la
 (MLA._attend_latents). PyTorch's flash kernel runs that as two small GEMM calls per sequence, and at M = 8
 rows (the `small` preset's heads) their per-call costs dominate: 64 sequences × 192 latents × 576 took
 4.2-4.5 ms a layer in bf16 and 4.1-5.7 ms in fp32 on an AVX512-BF16 CPU without AMX (AMD EPYC, 2 threads),
-against 2.4-2.9 and 3.4-4.1 ms for this kernel, which reads each latent row once for both passes. On CPUs
+against 2.4-2.8 and 3.4-4.1 ms for this kernel, which reads each latent row once for both passes. On CPUs
 with AMX the flash kernel's bf16 GEMMs run on AMX tiles (~1.2 ms a layer on the AMX machine BENCHMARKS.md
 was measured on) and this kernel, which has no AMX path, is not used there.
 
 The kernel is built with torch.utils.cpp_extension (a C++ compiler and ninja, the same toolchain
-torch.compile needs on a CPU) into torch's extension cache, once per machine (~40 s); a process then loads
+torch.compile needs on a CPU) into torch's extension cache, once per machine (~15-40 s); a process then loads
 it in milliseconds. Where it cannot be built, or SEEKFORGE_CPU_KERNELS=0, attention keeps PyTorch's kernel.
 """
 
