@@ -106,9 +106,10 @@ void weighted_sum_block(const float* p, int64_t pld, const T* lat, int64_t ld, i
   }
 }
 
-void softmax_rows(float* scores, int64_t M, int64_t S, int64_t sld) {
+// each of the M rows of S scores → its softmax, in place
+void softmax_rows(float* scores, int64_t M, int64_t S) {
   for (int64_t m = 0; m < M; ++m) {
-    float* x = scores + m * sld;
+    float* x = scores + m * S;
     float mx = -INFINITY;
     for (int64_t s = 0; s < S; ++s) mx = std::max(mx, x[s]);
     const __m512 vmx = _mm512_set1_ps(mx);
@@ -120,7 +121,7 @@ void softmax_rows(float* scores, int64_t M, int64_t S, int64_t sld) {
       vsum = _mm512_add_ps(vsum, e);
     }
     if (s < S) {
-      const __mmask16 k = (1u << (S - s)) - 1;
+      const __mmask16 k = columns(s, S);
       const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + s), vmx));
       _mm512_mask_storeu_ps(x + s, k, e);
       vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(k, e));
@@ -137,7 +138,7 @@ void one_sequence(const float* q, const T* lat, int64_t ld, int64_t M, int64_t S
   int64_t m = 0;
   for (; m + 8 <= M; m += 8) scores_block<8>(q + m * D, lat, ld, S, D, scale, scores + m * S, S);
   for (; m < M; ++m) scores_block<1>(q + m * D, lat, ld, S, D, scale, scores + m * S, S);
-  softmax_rows(scores, M, S, S);
+  softmax_rows(scores, M, S);
   for (m = 0; m + 8 <= M; m += 8) weighted_sum_block<8>(scores + m * S, S, lat, ld, S, R, out + m * R);
   for (; m < M; ++m) weighted_sum_block<1>(scores + m * S, S, lat, ld, S, R, out + m * R);
 }
