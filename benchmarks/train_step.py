@@ -11,11 +11,15 @@ transformers runs model(input_ids, labels) + the same optimizer.
 
 Each contender runs in its own child process, one after another, so the peak RSS (ru_maxrss: the
 child's resident-memory high-water mark, model + optimizer + activations + framework) is its own.
+The contenders run in rounds (--rounds, default 3: seekforge, then each transformers path, and again):
+on shared cores the speed of the machine drifts by ±10% over a minute, and a drift between two
+children would read as a speed difference. Each round prints its own ratio; the summary is the
+median over rounds of each contender's tokens/s and of the per-round ratios.
 The bf16 matmul peak for MFU is measured in the parent just before. Wall-clock tokens/s (median
 step) is the headline; CPU seconds per step (process time, all threads) is printed too because on
 shared cores the wall clock mostly measures the neighbours.
 
-    PYTHONPATH=. python benchmarks/train_step.py [--steps 5] [--threads N]
+    PYTHONPATH=. python benchmarks/train_step.py [--rounds 3] [--steps 5] [--threads N]
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import resource
 import subprocess
 import sys
 import time
+from statistics import median
 
 import torch
 from machine import machine_header, parse_args  # benchmarks/machine.py
@@ -121,17 +126,17 @@ def child(name: str, steps: int, warmup: int, dtype: str) -> None:
         losses.append(step())
         times.append(time.perf_counter() - start)
         cpu_times.append(time.process_time() - cpu_start)
-    times.sort()
-    median = times[len(times) // 2]
-    cpu_median = sorted(cpu_times)[len(cpu_times) // 2]
+    step_s, cpu_s = median(times), median(cpu_times)
     peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
-    print(json.dumps({"name": name, "tokens_per_s": BATCH * SEQ / median, "best_tokens_per_s": BATCH * SEQ / times[0],
-                      "cpu_s_per_step": cpu_median, "peak_rss_mib": peak_rss_mib, "first_loss": losses[0]}))
+    print(json.dumps({"name": name, "tokens_per_s": BATCH * SEQ / step_s, "best_tokens_per_s": BATCH * SEQ / min(times),
+                      "cpu_s_per_step": cpu_s, "peak_rss_mib": peak_rss_mib, "first_loss": losses[0]}))
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=5, help="timed steps per contender (median reported)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="times every contender runs, in turn (median over rounds reported)")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per contender and round (median reported)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--variants", default=",".join(HF_VARIANTS), help="transformers experts implementations")
     p.add_argument("--child", help=argparse.SUPPRESS)
@@ -150,35 +155,62 @@ def main() -> None:
     print(f"train step, preset small (MTP off), batch {BATCH}×{SEQ}, {dtype_name} ({precision}), "
           f"{args.threads} threads")
     print(f"model: {fpt / 1e6:.1f} MFLOP/token (6·activated matmul params + attention, see train/flops.py)")
-    results = []
-    for name in ["seekforge"] + [f"transformers:{v}" for v in args.variants.split(",") if v]:
-        cmd = [sys.executable, __file__, "--child", name, "--steps", str(args.steps), "--warmup", str(args.warmup),
-               "--threads", str(args.threads), "--dtype", args.dtype]
-        out = subprocess.run(cmd, capture_output=True, text=True)
-        if out.returncode != 0:
-            print(f"{name}: failed\n{out.stderr[-2000:]}")
-            continue
-        result = json.loads(out.stdout.strip().splitlines()[-1])
-        results.append(result)
+    names = ["seekforge"] + [f"transformers:{v}" for v in args.variants.split(",") if v]
+    rounds = []
+    for index in range(args.rounds):
+        results = [r for r in (run_child(name, args) for name in names) if r is not None]
+        rounds.append(results)
+        ratio = speedup(results)
+        print(f"round {index + 1}/{args.rounds}: " + ", ".join(f"{r['name']} {r['tokens_per_s']:.0f}" for r in results)
+              + " tokens/s" + (f" → {ratio['wall']:.2f}× the fastest transformers path" if ratio else ""),
+              flush=True)
     # The probe runs again after the contenders and the higher value is kept: a neighbour's burst
     # during one probe would otherwise deflate the peak and inflate every MFU.
     peak = max(peak, measure_peak_flops(dtype, seconds=1.0))
     print(f"{dtype_name} matmul peak (1024³, best of a probe before and after): {peak / 1e9:.0f} GFLOP/s")
-    for result in results:
-        name = result["name"]
-        print(f"{name:>26}: {result['tokens_per_s']:8.0f} tokens/s (median; best {result['best_tokens_per_s']:.0f}) | "
-              f"CPU {result['cpu_s_per_step']:5.2f} s/step | MFU {100 * result['tokens_per_s'] * fpt / peak:5.1f}% | "
-              f"peak RSS {result['peak_rss_mib']:6.0f} MiB | "
-              f"first loss {result['first_loss']:.4f}")
+    summary = [median_result([r for results in rounds for r in results if r["name"] == name]) for name in names]
+    for r in filter(None, summary):
+        print(f"{r['name']:>26}: {r['tokens_per_s']:8.0f} tokens/s (median; best {r['best_tokens_per_s']:.0f}) | "
+              f"CPU {r['cpu_s_per_step']:5.2f} s/step | MFU {100 * r['tokens_per_s'] * fpt / peak:5.1f}% | "
+              f"peak RSS {r['peak_rss_mib']:6.0f} MiB | first loss {r['first_loss']:.4f}")
+    ratios = [r for r in map(speedup, rounds) if r is not None]
+    if ratios:
+        walls = [r["wall"] for r in ratios]
+        print(f"seekforge / fastest transformers ({ratios[0]['wall_peer']}): {median(walls):.2f}× tokens/s "
+              f"(wall, median of {len(walls)} rounds: {', '.join(f'{w:.2f}' for w in walls)}); "
+              f"{median([r['cpu'] for r in ratios]):.2f}× by CPU seconds per step (vs {ratios[0]['cpu_peer']}; "
+              "steadier when other jobs share the cores)")
+
+def run_child(name: str, args) -> dict | None:
+    cmd = [sys.executable, __file__, "--child", name, "--steps", str(args.steps), "--warmup", str(args.warmup),
+           "--threads", str(args.threads), "--dtype", args.dtype]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        print(f"{name}: failed\n{out.stderr[-2000:]}")
+        return None
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def speedup(results: list[dict]) -> dict | None:
+    """One round's seekforge / fastest transformers path, by wall tokens/s and by CPU seconds per step."""
     ours = next((r for r in results if r["name"] == "seekforge"), None)
     peers = [r for r in results if r["name"] != "seekforge"]
-    if ours and peers:
-        best = max(peers, key=lambda r: r["tokens_per_s"])
-        least_cpu = min(peers, key=lambda r: r["cpu_s_per_step"])
-        print(f"seekforge / fastest transformers ({best['name'].split(':')[1]}): "
-              f"{ours['tokens_per_s'] / best['tokens_per_s']:.2f}× tokens/s (wall); "
-              f"{least_cpu['cpu_s_per_step'] / ours['cpu_s_per_step']:.2f}× by CPU seconds per step "
-              f"(vs {least_cpu['name'].split(':')[1]}; steadier when other jobs share the cores)")
+    if ours is None or not peers:
+        return None
+    best = max(peers, key=lambda r: r["tokens_per_s"])
+    least_cpu = min(peers, key=lambda r: r["cpu_s_per_step"])
+    return {"wall": ours["tokens_per_s"] / best["tokens_per_s"], "wall_peer": best["name"].split(":")[1],
+            "cpu": least_cpu["cpu_s_per_step"] / ours["cpu_s_per_step"], "cpu_peer": least_cpu["name"].split(":")[1]}
+
+
+def median_result(results: list[dict]) -> dict | None:
+    """One contender over the rounds: median tokens/s and CPU time, best step, highest peak RSS."""
+    if not results:
+        return None
+    return {"name": results[0]["name"], "tokens_per_s": median([r["tokens_per_s"] for r in results]),
+            "best_tokens_per_s": max(r["best_tokens_per_s"] for r in results),
+            "cpu_s_per_step": median([r["cpu_s_per_step"] for r in results]),
+            "peak_rss_mib": max(r["peak_rss_mib"] for r in results), "first_loss": results[0]["first_loss"]}
 
 
 if __name__ == "__main__":
