@@ -1,16 +1,25 @@
-"""CPU kernels of our own, compiled on first use: decode attention over MLA latents (csrc/latent_attention.cpp).
+"""CPU kernels of our own, compiled on first use (csrc/): decode attention over MLA latents and linear layers
+over a few rows.
 
-At decode, each sequence's heads are the query rows of one attention over its latents [c_kv | k_pe]
-(MLA._attend_latents). PyTorch's flash kernel runs that as two small GEMM calls per sequence, and at M = 8
-rows (the `small` preset's heads) their per-call costs dominate: 64 sequences × 192 latents × 576 took
-4.2-4.5 ms a layer in bf16 and 4.1-5.7 ms in fp32 on an AVX512-BF16 CPU without AMX (AMD EPYC, 2 threads),
-against 2.4-2.8 and 3.4-4.1 ms for this kernel, which reads each latent row once for both passes. On CPUs
-with AMX the flash kernel's bf16 GEMMs run on AMX tiles (~1.2 ms a layer on the AMX machine BENCHMARKS.md
-was measured on) and this kernel, which has no AMX path, is not used there.
+Decode attention (csrc/latent_attention.cpp). At decode, each sequence's heads are the query rows of one
+attention over its latents [c_kv | k_pe] (MLA._attend_latents). PyTorch's flash kernel runs that as two small
+GEMM calls per sequence, and at M = 8 rows (the `small` preset's heads) their per-call costs dominate: 64
+sequences × 192 latents × 576 took 4.2-4.5 ms a layer in bf16 and 4.1-5.7 ms in fp32 on an AVX512-BF16 CPU
+without AMX (AMD EPYC, 2 threads), against 2.4-2.8 and 3.4-4.1 ms for this kernel, which reads each latent row
+once for both passes.
 
-The kernel is built with torch.utils.cpp_extension (a C++ compiler and ninja, the same toolchain
-torch.compile needs on a CPU) into torch's extension cache, once per machine (~15-40 s); a process then loads
-it in milliseconds. Where it cannot be built, or SEEKFORGE_CPU_KERNELS=0, attention keeps PyTorch's kernel.
+Linear layers over one to four rows (csrc/linear_rows.cpp: batch-1 decode, the chosen experts of one token).
+There a linear layer is a stream over its weight, each value used once. oneDNN's bf16 and MKL's fp32 GEMMs
+read it at 5-13 GB/s on that CPU (one row, 2 threads, the `small` preset's 256×512 to 4096×512 weights, each
+read from memory), of the ~40 GB/s it streams; the kernel, which reads each weight row front to back,
+reads them at 16-26 GB/s in bf16 and 18-30 GB/s in fp32 (1.8-3.1× faster).
+
+On CPUs with AMX PyTorch's kernels run bf16 on AMX tiles (decode attention ~1.2 ms a layer on the AMX machine
+BENCHMARKS.md was measured on); these kernels have no AMX path and are not used there.
+
+They are built with torch.utils.cpp_extension (a C++ compiler and ninja, the same toolchain torch.compile needs
+on a CPU) into torch's extension cache, once per machine (~20-60 s); a process then loads them in milliseconds.
+Where they cannot be built, or SEEKFORGE_CPU_KERNELS=0, PyTorch's kernels run.
 """
 
 from __future__ import annotations
@@ -18,15 +27,19 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import math
 import os
 import shutil
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "latent_attention.cpp"
+SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
+MAX_LINEAR_ROWS = 4  # linear_rows' query rows per pass over the weight (more run in passes of 4)
 _loaded: bool | None = None  # None: not tried yet
 
 
@@ -37,49 +50,108 @@ def cpu_kernels_wanted() -> bool:
     return torch.backends.cpu.get_cpu_capability() == "AVX512" and not torch.cpu._is_amx_tile_supported()
 
 
-def load_latent_attention() -> bool:
-    """Build (once per machine) and load the latent-attention kernel when this CPU wants it; True when
-    torch.ops.seekforge.latent_attention is ready. Call it before tracing (the engine does, when it builds
-    its caches): a build inside torch.compile's tracing would stall it."""
+def load() -> bool:
+    """Build (once per machine) and load the kernels when this CPU wants them; True when they are ready.
+    Call it before tracing (the engine does, when it builds its caches): a build inside torch.compile's
+    tracing would stall it."""
     global _loaded
     if _loaded is None:
         _loaded = cpu_kernels_wanted() and build()
     return _loaded
 
 
-def latent_attention_ready() -> bool:
-    """Loaded already (no build attempted here): what the attention's hot path asks."""
+def ready() -> bool:
+    """Loaded already (no build attempted here): what the hot paths ask."""
     return bool(_loaded)
 
 
-def kernel_takes(latents: torch.Tensor) -> bool:
-    """The kernel's inputs: CPU fp32/bf16 latents with contiguous rows."""
+def attention_takes(latents: torch.Tensor) -> bool:
+    """The latent-attention kernel's inputs: CPU fp32/bf16 latents with contiguous rows."""
     return latents.device.type == "cpu" and latents.dtype in (torch.float32, torch.bfloat16) and latents.stride(-1) == 1
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, by the few-rows kernel where it takes the call (see linear_takes)."""
+    if _loaded and linear_takes(x, weight, bias):
+        return torch.ops.seekforge.linear_rows(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def bmm_t(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """torch.bmm(x, weight.transpose(1, 2)) for x (G, M, K) and weight (G, N, K) (MLA's absorbed value weights,
+    a view with a gap between heads), by the kernel where it takes the call: oneDNN's bf16 bmm first copies such
+    a view into a contiguous transposed one, 0.2-0.4 ms a layer at batch 1, more than the product takes."""
+    if _loaded and linear_takes(x, weight, grouped=True):
+        return torch.ops.seekforge.linear_rows(x, weight, None)
+    return torch.bmm(x, weight.transpose(1, 2))
+
+
+def bmm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """torch.bmm(x, weight) for x (G, M, K) and weight (G, K, N) (MLA's absorbed key weights), by the kernel where
+    it takes the call (see bmm_t)."""
+    if _loaded and linear_takes(x, weight, grouped=True):
+        return torch.ops.seekforge.rows_times(x, weight)
+    return torch.bmm(x, weight)
+
+
+def linear_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, grouped: bool = False
+                 ) -> bool:
+    """Inference (the kernels have no backward) of at most MAX_LINEAR_ROWS rows (per group when `grouped`: x (G,
+    M, K)) with CPU fp32/bf16 tensors of one dtype and a plain weight (not a DTensor or a quantized one) whose
+    rows are contiguous. Traced by torch.compile, one row only: torch.compile specializes a size of 1, so a
+    dynamic batch size is never 1 and a program traced for every batch size (serve/compiled.py) keeps PyTorch's
+    kernel, where `<= MAX_LINEAR_ROWS` would bake in what its traced size said."""
+    if torch.is_grad_enabled() or x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    rows = x.shape[1] if grouped else math.prod(x.shape[:-1])
+    limit = 1 if torch.compiler.is_compiling() else MAX_LINEAR_ROWS
+    return (rows <= limit and weight.dtype == x.dtype
+            and type(weight) in (torch.Tensor, nn.Parameter) and weight.dim() == (3 if grouped else 2)
+            and weight.stride(-1) == 1 and weight.stride(-2) == weight.shape[-1] and (grouped or weight.is_contiguous())
+            and (bias is None or (bias.dtype == x.dtype and type(bias) in (torch.Tensor, nn.Parameter)
+                                  and bias.is_contiguous())))
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose inference over a few rows runs the linear_rows kernel where it is loaded (the model's
+    linear layers are these; parameters, state dict and hooks are nn.Linear's)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
 
 
 @functools.cache
 def build() -> bool:
-    """Compile (or find in torch's extension cache) and load the kernel on any AVX-512 CPU, and register its
-    shape function for torch.compile; True when torch.ops.seekforge.latent_attention exists."""
+    """Compile (or find in torch's extension cache) and load the kernels on any AVX-512 CPU, and register their
+    shape functions for torch.compile; True when the torch.ops.seekforge ops exist."""
     from torch.utils import cpp_extension
 
     if shutil.which(os.environ.get("CXX", "c++")) is None or not cpp_extension.is_ninja_available():
-        log.warning("no C++ compiler or ninja: decode attention keeps PyTorch's kernel (slower on this CPU)")
+        log.warning("no C++ compiler or ninja: PyTorch's kernels run (decode is slower on this CPU)")
         return False
-    # -fopenmp: at::parallel_for splits the sequences over torch's OpenMP threads only when compiled with it
+    # -fopenmp: at::parallel_for splits the work over torch's OpenMP threads only when compiled with it
     flags = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
-    # the name carries a hash of source and flags: an edited kernel is rebuilt, never an old build loaded
-    digest = hashlib.sha256((SOURCE.read_text() + " ".join(flags)).encode()).hexdigest()[:12]
-    name = f"seekforge_latent_attention_{digest}"
-    log.info("loading the CPU decode-attention kernel %s (the first use on a machine compiles it, ~15-40 s)", name)
+    # the name carries a hash of sources and flags: an edited kernel is rebuilt, never an old build loaded
+    text = "".join(source.read_text() for source in SOURCES) + " ".join(flags)
+    name = f"seekforge_cpu_kernels_{hashlib.sha256(text.encode()).hexdigest()[:12]}"
+    log.info("loading the CPU kernels %s (the first use on a machine compiles them, ~20-60 s)", name)
     try:
-        cpp_extension.load(name, [str(SOURCE)], extra_cflags=flags, is_python_module=False, verbose=False)
-    except Exception as e:  # a broken toolchain must not stop serving: the fallback is correct, only slower
-        log.warning("the CPU decode-attention kernel did not build (%s): keeping PyTorch's kernel", e)
+        cpp_extension.load(name, [str(s) for s in SOURCES], extra_cflags=flags, is_python_module=False,
+                           verbose=False)
+    except Exception as e:  # a broken toolchain must not stop serving: the fallbacks are correct, only slower
+        log.warning("the CPU kernels did not build (%s): PyTorch's kernels run", e)
         return False
 
     @torch.library.register_fake("seekforge::latent_attention")
     def _(q, latents, lengths, scale, value_dim):
         return q.new_empty(q.shape[0], q.shape[1], value_dim)
+
+    @torch.library.register_fake("seekforge::linear_rows")
+    def _(x, weight, bias):
+        return x.new_empty(*x.shape[:-1], weight.shape[-2])
+
+    @torch.library.register_fake("seekforge::rows_times")
+    def _(x, weight):
+        return x.new_empty(x.shape[0], x.shape[1], weight.shape[2])
 
     return True

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from seekforge.config import ModelConfig, rope_type, yarn_factor, yarn_get_mscale
-from seekforge.model.kernels import kernel_takes, latent_attention_ready
+from seekforge.model import kernels
+from seekforge.model.kernels import Linear
 from seekforge.model.moe import MLP, MoE
 from seekforge.model.precision import matmul_dtype, onednn_size, uses_onednn
 
@@ -163,15 +164,15 @@ class MLA(nn.Module):
         h, nh = cfg.hidden_size, cfg.num_attention_heads
         self.num_heads = nh
         if cfg.q_lora_rank is None:
-            self.q_proj = nn.Linear(h, nh * cfg.qk_head_dim, bias=False)
+            self.q_proj = Linear(h, nh * cfg.qk_head_dim, bias=False)
         else:
-            self.q_a_proj = nn.Linear(h, cfg.q_lora_rank, bias=cfg.attention_bias)
+            self.q_a_proj = Linear(h, cfg.q_lora_rank, bias=cfg.attention_bias)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank)
-            self.q_b_proj = nn.Linear(cfg.q_lora_rank, nh * cfg.qk_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(h, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=cfg.attention_bias)
+            self.q_b_proj = Linear(cfg.q_lora_rank, nh * cfg.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = Linear(h, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=cfg.attention_bias)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank)
-        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
-        self.o_proj = nn.Linear(nh * cfg.v_head_dim, h, bias=cfg.attention_bias)
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
+        self.o_proj = Linear(nh * cfg.v_head_dim, h, bias=cfg.attention_bias)
         self.softmax_scale = cfg.softmax_scale
 
     # -- projections shared by both paths ----------------------------------------------------
@@ -255,7 +256,7 @@ class MLA(nn.Module):
         b, t, nh, dn = q_nope.shape
         r = c_kv.shape[2]
         q = q_nope.permute(2, 0, 1, 3).reshape(nh, b * t, dn)
-        q_latent = torch.bmm(q, w_uk)  # (nh, B·T, r)
+        q_latent = kernels.bmm(q, w_uk)  # (nh, B·T, r)
         q_latent = q_latent.view(nh, b, t, r).transpose(0, 1).reshape(b, nh * t, r)  # rows (head, query)
         q_rope = q_pe.transpose(1, 2).reshape(b, nh * t, -1)  # (B, nh·T, dr)
         if latents is not None:
@@ -263,7 +264,7 @@ class MLA(nn.Module):
         else:
             out_latent = self._attend_split(q_latent, q_rope, c_kv, k_pe, mask, t)
         out_latent = out_latent.view(b, nh, t, r).transpose(0, 1).reshape(nh, b * t, r)
-        out = torch.bmm(out_latent, w_uv.transpose(1, 2))  # (nh, B·T, dv)
+        out = kernels.bmm_t(out_latent, w_uv)  # (nh, B·T, dv)
         return out.view(nh, b, t, -1).permute(1, 2, 0, 3).reshape(b, t, -1)  # (B, T, nh·dv)
 
     def _attend_latents(self, q, latents, mask, t):
@@ -277,7 +278,7 @@ class MLA(nn.Module):
         3.3 s bf16 (2 threads)."""
         b, s, r = latents.shape[0], latents.shape[1], latents.shape[2] - self.cfg.qk_rope_head_dim
         prefix_mask = mask is None or mask.shape[:3] == (b, 1, 1)  # (B, 1, 1, S): one per decode row
-        if t == 1 and latent_attention_ready() and kernel_takes(latents) and prefix_mask:
+        if t == 1 and kernels.ready() and kernels.attention_takes(latents) and prefix_mask:
             # our AVX-512 kernel (model/kernels.py); a decode row's mask keeps a prefix of its latents
             lengths = None if mask is None else mask.reshape(b, s).sum(-1)
             return torch.ops.seekforge.latent_attention(q, latents, lengths, self.softmax_scale, r)
@@ -404,7 +405,7 @@ class MTPModule(nn.Module):
         super().__init__()
         self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.eh_proj = Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.block = Block(cfg, layer_id)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # HF: shared_head.norm
 
@@ -497,7 +498,7 @@ class Transformer(nn.Module):
         self.rotary = RotaryEmbedding(cfg)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.mtp = nn.ModuleList(

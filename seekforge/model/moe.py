@@ -17,7 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from seekforge.config import ModelConfig
+from seekforge.model import kernels
 from seekforge.model.dtensor import local_tensor
+from seekforge.model.kernels import Linear
 from seekforge.model.precision import onednn_size, uses_onednn
 
 # GroupedExperts.forward_batched's padded rows at most this many times the real ones, where oneDNN runs the
@@ -33,9 +35,9 @@ class MLP(nn.Module):
 
     def __init__(self, hidden: int, inter: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.gate_proj = Linear(hidden, inter, bias=False)
+        self.up_proj = Linear(hidden, inter, bias=False)
+        self.down_proj = Linear(inter, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
@@ -200,6 +202,10 @@ class GroupedExperts(nn.Module):
         if torch.compiler.is_compiling():
             return self._one_token_traced(x, weights, indices)
         chosen = indices[0].tolist()
+        if kernels.ready() and kernels.linear_takes(x, self.gate_up_proj[0]):  # the few-rows kernel, per expert
+            act = swiglu(torch.cat([kernels.linear(x, self.gate_up_proj[e]) for e in chosen]))  # (K, I)
+            outs = torch.cat([kernels.linear(act[j:j + 1], self.down_proj[e]) for j, e in enumerate(chosen)])
+            return weighted_sum(outs[None], weights)
         gate_up = x.new_empty(len(chosen), self.gate_up_proj.shape[1])  # (K, 2I)
         for j, e in enumerate(chosen):
             torch.mm(x, self.gate_up_proj[e].t(), out=gate_up[j:j + 1])
@@ -219,10 +225,10 @@ class GroupedExperts(nn.Module):
             e = indices[0, j].item()
             torch._check(e >= 0)
             torch._check(e < num_experts)
-            gate_up.append(x @ self.gate_up_proj[e].t())
+            gate_up.append(kernels.linear(x, self.gate_up_proj[e]))
             down.append(self.down_proj[e])
         act = swiglu(torch.cat(gate_up))  # (K, I)
-        outs = torch.cat([act[j:j + 1] @ w.t() for j, w in enumerate(down)])  # (K, H)
+        outs = torch.cat([kernels.linear(act[j:j + 1], w) for j, w in enumerate(down)])  # (K, H)
         return weighted_sum(outs[None], weights)
 
     def forward_batched(self, x: torch.Tensor, weights: torch.Tensor, slots: ExpertSlots) -> torch.Tensor:

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from seekforge.config import ModelConfig
-from seekforge.model.kernels import load_latent_attention
+from seekforge.model import kernels
 from seekforge.model.model import SCORES_CHUNK_BYTES, DocumentLayout
 from seekforge.model.precision import onednn, onednn_size
 from seekforge.quant.schemes import quantize_activation
@@ -217,7 +217,7 @@ class PagedLatentCache:
         self.k_pe_scale = torch.ones(num_blocks, block_size, 1, device=device) if int8 else None
         self.metadata: AttentionMetadata | None = None
         if torch.device(device).type == "cpu":
-            load_latent_attention()  # decode attention's own kernel, where this CPU wants it (built once)
+            kernels.load()  # our decode kernels, where this CPU wants them (built once per machine)
 
     def attend(self, attn, q_nope, q_pe, c_kv, k_pe):
         """q_nope (1, T, nh, dn), q_pe (1, T, nh, dr), c_kv (1, T, r), k_pe (1, T, dr) → (1, T, nh·dv).

@@ -1,4 +1,5 @@
-"""model/kernels.py: our AVX-512 decode attention over MLA latents against PyTorch's attention."""
+"""model/kernels.py: our AVX-512 decode attention over MLA latents and few-row linear layers against PyTorch's
+kernels."""
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ from seekforge.model import kernels
 from seekforge.model.model import build_model
 
 pytestmark = pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512" or not kernels.build(),
-                                reason="the kernel needs an AVX-512 CPU and a C++ toolchain")
+                                reason="the kernels need an AVX-512 CPU and a C++ toolchain")
 
 
 def reference(q, latents, lengths, scale, value_dim):
@@ -62,3 +63,86 @@ def test_absorbed_decode_attention_is_the_same_with_the_kernel(monkeypatch):
         with torch.no_grad():
             outs[ready] = attn.attend_absorbed(q_nope, q_pe, c_kv, k_pe, mask=mask, latents=latents)
     torch.testing.assert_close(outs[True], outs[False], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows, n, k", [(1, 512, 512), (1, 33, 40), (2, 5, 17), (3, 64, 100), (4, 7, 64), (9, 20, 48)])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_linear_rows_equals_linear(rows, n, k, dtype, tol):
+    """Widths with and without a 64-column body and a masked tail, one to four query rows and more (passes of
+    four), a bias, leading dims and query rows that are a strided view."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, 2 * k, generator=gen).to(dtype)[:, ::2]
+    weight, bias = torch.randn(n, k, generator=gen).to(dtype), torch.randn(n, generator=gen).to(dtype)
+    want = F.linear(x.double(), weight.double(), bias.double())
+    for b in (None, bias):
+        out = torch.ops.seekforge.linear_rows(x[None], weight, b)
+        assert out.dtype == dtype and out.shape == (1, rows, n)
+        torch.testing.assert_close(out[0].double(), want if b is not None else want - bias.double(), atol=tol, rtol=tol)
+
+
+def test_linear_takes_few_row_inference_only(monkeypatch):
+    """kernels.Linear: the kernel for inference over at most MAX_LINEAR_ROWS rows of a plain fp32/bf16 weight,
+    nn.Linear's F.linear otherwise (training: the kernel has no backward)."""
+    monkeypatch.setattr(kernels, "_loaded", True)
+    layer = kernels.Linear(48, 24)
+    calls = []
+    monkeypatch.setattr(torch.ops.seekforge, "linear_rows", lambda *a: calls.append(a) or F.linear(*a))
+    x = torch.randn(1, 1, 48)
+    with torch.no_grad():
+        layer(x), layer(x.repeat(1, kernels.MAX_LINEAR_ROWS, 1))
+        assert len(calls) == 2
+        layer(x.repeat(1, kernels.MAX_LINEAR_ROWS + 1, 1)), kernels.Linear(48, 24).double()(x.double())
+        assert len(calls) == 2  # too many rows; another dtype
+        assert not kernels.linear_takes(x.bfloat16(), layer.weight)  # x's dtype not the weight's
+    layer(x).sum().backward()
+    assert len(calls) == 2 and layer.weight.grad is not None
+
+
+def test_linear_rows_compiles_for_static_rows_only(monkeypatch):
+    """Traced with one row it is in the graph; with a dynamic row count (serving's batched programs serve every
+    batch size), even one within MAX_LINEAR_ROWS, F.linear is."""
+    import torch._dynamo.testing
+
+    monkeypatch.setattr(kernels, "_loaded", True)
+    weight = torch.randn(24, 48)
+    for dynamic, in_graph in ((False, True), (True, False)):
+        counter = torch._dynamo.testing.EagerAndRecordGraphs()
+        compiled = torch.compile(lambda x: kernels.linear(x, weight), backend=counter, fullgraph=True, dynamic=dynamic)
+        with torch.no_grad():
+            x = torch.randn(1, 48) if not dynamic else torch.randn(3, 48)
+            torch.testing.assert_close(compiled(x), F.linear(x, weight), atol=1e-5, rtol=1e-5)
+        graph = str(counter.graphs[0].graph)
+        assert ("linear_rows" in graph) == in_graph, graph
+
+
+def test_one_token_experts_are_the_same_with_the_kernel(monkeypatch):
+    """A MoE layer's batch-1 path (GroupedExperts.forward_one_token) with the kernel and with torch.mm."""
+    model = build_model(preset("tiny"), seed=0).eval()
+    moe = next(layer.mlp for layer in model.layers if hasattr(layer.mlp, "experts"))
+    x = torch.randn(1, 1, model.cfg.hidden_size, generator=torch.Generator().manual_seed(2))
+    outs = {}
+    for ready in (True, False):
+        monkeypatch.setattr(kernels, "_loaded", ready)
+        with torch.no_grad():
+            outs[ready] = moe(x)
+    torch.testing.assert_close(outs[True], outs[False], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 6])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_grouped_products_equal_bmm(rows, dtype, tol, monkeypatch):
+    """The absorbed attention's two products (kernels.bmm, kernels.bmm_t) over per-head views with gaps between
+    the heads, as MLA.kv_b_weights splits them: widths past a 64/128-column chunk, masked tails."""
+    gen = torch.Generator().manual_seed(0)
+    heads, dn, dv, r = 3, 40, 24, 150
+    kv_b = torch.randn(heads, dn + dv, r, generator=gen).to(dtype)
+    w_uk, w_uv = kv_b.split([dn, dv], dim=1)
+    q = torch.randn(heads, rows, dn, generator=gen).to(dtype)
+    latent = torch.randn(heads, rows, r, generator=gen).to(dtype)
+    monkeypatch.setattr(kernels, "_loaded", True)
+    with torch.no_grad():
+        got_k, got_v = kernels.bmm(q, w_uk), kernels.bmm_t(latent, w_uv)
+        assert kernels.linear_takes(q, w_uk, grouped=True) == (rows <= kernels.MAX_LINEAR_ROWS)
+    torch.testing.assert_close(got_k.double(), torch.bmm(q.double(), w_uk.double()), atol=tol, rtol=tol)
+    torch.testing.assert_close(got_v.double(), torch.bmm(latent.double(), w_uv.double().transpose(1, 2)),
+                               atol=tol, rtol=tol)

@@ -1,0 +1,215 @@
+// Linear layers over a few rows on a CPU with AVX-512 (seekforge/model/kernels.py builds and loads them), fp32 or
+// bf16: y = x · Wᵀ (+ b) for x (M, K) with M small (a decode step's one token) and W (N, K), and the grouped
+// forms MLA's absorbed attention needs, x (G, M, K) against G weights (G, N, K) or, untransposed, (G, K, N),
+// which may be views with gaps between the groups.
+//
+// At one row a linear layer is a stream over its weight: every weight value is read once and used once. The
+// kernels read the weight in memory order (W's rows front to back; for an untransposed W, 64-128 columns of
+// each row in turn), widen bf16 to fp32 as loaded, hold up to four query rows in fp32, and split the weight
+// over the threads; all arithmetic is fp32. oneDNN's and MKL's GEMM kernels pack and block for reuse that one
+// row does not have, and oneDNN copies a grouped view into a contiguous one first (see kernels.py for the
+// measurements). More than four query rows run four at a time, each group reading the weight again.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+#include <algorithm>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+// the values of a row selected by k (16 at most) → fp32, zeros elsewhere
+inline __m512 load16(const float* p, __mmask16 k) { return _mm512_maskz_loadu_ps(k, p); }
+inline __m512 load16(const c10::BFloat16* p, __mmask16 k) {
+  __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+// the columns d … d+15 of a row n wide that exist
+inline __mmask16 columns(int64_t d, int64_t n) {
+  return n - d >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - d)) - 1);
+}
+
+// out[m, n] = x[m] · W[n] for MB query rows (fp32, K wide) and the weight rows n0 … n1-1 (row stride K, ldo
+// the output's): each weight row is read front to back, U vectors of 16 at a time into U accumulators per
+// query row, the next row right after it — one sequential stream per thread, which the hardware prefetchers
+// follow (reading four rows side by side measured 1.5-2x slower here).
+template <int MB, int U, typename T>
+void row_dots(const float* x, const T* w, int64_t K, int64_t n0, int64_t n1, float* out, int64_t ldo) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const T* wr = w + n * K;
+    __m512 acc[MB][U];
+    for (int m = 0; m < MB; ++m)
+      for (int u = 0; u < U; ++u) acc[m][u] = _mm512_setzero_ps();
+    int64_t d = 0;
+    for (; d + 16 * U <= K; d += 16 * U) {
+      for (int u = 0; u < U; ++u) {
+        const __m512 wv = load16(wr + d + 16 * u, 0xFFFF);
+        for (int m = 0; m < MB; ++m) acc[m][u] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + m * K + d + 16 * u), acc[m][u]);
+      }
+    }
+    for (; d < K; d += 16) {  // the last columns, fewer than 16·U
+      const __mmask16 k = columns(d, K);
+      const __m512 wv = load16(wr + d, k);
+      for (int m = 0; m < MB; ++m) acc[m][0] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(k, x + m * K + d), acc[m][0]);
+    }
+    for (int m = 0; m < MB; ++m) {
+      __m512 total = acc[m][0];
+      for (int u = 1; u < U; ++u) total = _mm512_add_ps(total, acc[m][u]);
+      out[m * ldo + n] = _mm512_reduce_add_ps(total);
+    }
+  }
+}
+
+template <typename T>
+void rows_range(int mb, const float* x, const T* w, int64_t K, int64_t n0, int64_t n1, float* out, int64_t ldo) {
+  switch (mb) {
+    case 1: return row_dots<1, 4>(x, w, K, n0, n1, out, ldo);
+    case 2: return row_dots<2, 2>(x, w, K, n0, n1, out, ldo);
+    case 3: return row_dots<3, 2>(x, w, K, n0, n1, out, ldo);
+    default: return row_dots<4, 2>(x, w, K, n0, n1, out, ldo);
+  }
+}
+
+// out[m, c … c+16U-1] = Σ_k x[m, k] · W[k, c … c+16U-1] for MB query rows (fp32, K wide) and the columns of W
+// (K × N, row stride ldw) that exist: the product with an untransposed weight, 16U columns of each row in turn
+template <int MB, int U, typename T>
+void column_chunk(const float* x, const T* w, int64_t K, int64_t ldw, int64_t c, int64_t N, float* out, int64_t ldo) {
+  __m512 acc[MB][U];
+  __mmask16 k[U];
+  for (int u = 0; u < U; ++u) {
+    k[u] = c + 16 * u < N ? columns(c + 16 * u, N) : __mmask16(0);
+    for (int m = 0; m < MB; ++m) acc[m][u] = _mm512_setzero_ps();
+  }
+  for (int64_t d = 0; d < K; ++d) {
+    const T* row = w + d * ldw + c;
+    __m512 xv[MB];
+    for (int m = 0; m < MB; ++m) xv[m] = _mm512_set1_ps(x[m * K + d]);
+    for (int u = 0; u < U; ++u) {
+      if (!k[u]) break;
+      const __m512 wv = load16(row + 16 * u, k[u]);
+      for (int m = 0; m < MB; ++m) acc[m][u] = _mm512_fmadd_ps(wv, xv[m], acc[m][u]);
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int u = 0; u < U && k[u]; ++u) _mm512_mask_storeu_ps(out + m * ldo + c + 16 * u, k[u], acc[m][u]);
+}
+
+// the columns a work item of column_chunk covers for mb query rows: 128 (8 accumulators a row) up to two rows,
+// else 64 (the accumulators stay within the 32 vector registers)
+inline int64_t chunk_columns(int mb) { return mb <= 2 ? 128 : 64; }
+
+template <typename T>
+void column_chunk_any(int mb, const float* x, const T* w, int64_t K, int64_t ldw, int64_t c, int64_t N, float* out,
+                      int64_t ldo) {
+  switch (mb) {
+    case 1: return column_chunk<1, 8>(x, w, K, ldw, c, N, out, ldo);
+    case 2: return column_chunk<2, 8>(x, w, K, ldw, c, N, out, ldo);
+    case 3: return column_chunk<3, 4>(x, w, K, ldw, c, N, out, ldo);
+    default: return column_chunk<4, 4>(x, w, K, ldw, c, N, out, ldo);
+  }
+}
+
+// G groups of M query rows (x: G × M × K, contiguous) against G weights (W: G × N × K rows, `transposed`: G × K
+// × N, rows contiguous in both, any group stride) → fp32 out (G × M × N): groups and blocks of weight rows (or
+// of 64 columns) split over the threads, the query rows four at a time.
+template <typename T>
+void run(const at::Tensor& x, const at::Tensor& weight, bool transposed, std::vector<float>& out) {
+  const int64_t G = x.size(0), M = x.size(1), K = x.size(2);
+  const int64_t N = transposed ? weight.size(2) : weight.size(1), group = weight.stride(0);
+  std::vector<float> xf(G * M * K);  // the query rows in fp32
+  const T* xp = x.data_ptr<T>();
+  for (int64_t i = 0; i < G * M * K; ++i) xf[i] = static_cast<float>(xp[i]);
+  const T* wp = weight.data_ptr<T>();
+  for (int64_t m0 = 0; m0 < M; m0 += 4) {
+    const int mb = int(std::min<int64_t>(4, M - m0));
+    const int64_t width = transposed ? chunk_columns(mb) : 16;  // a work item: columns of W, or 16 rows
+    const int64_t items = (N + width - 1) / width;
+    // a thread takes at least ~64 KB of weight (smaller layers run on fewer threads)
+    const int64_t grain = std::max<int64_t>(1, 65536 / (width * K * int64_t(sizeof(T))));
+    at::parallel_for(0, G * items, grain, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) {
+        const int64_t g = i / items, n = (i % items) * width;
+        const float* xg = xf.data() + (g * M + m0) * K;
+        float* og = out.data() + (g * M + m0) * N;
+        if (transposed) {
+          column_chunk_any<T>(mb, xg, wp + g * group, K, N, n, N, og, N);
+        } else {
+          rows_range<T>(mb, xg, wp + g * group, K, n, std::min(n + width, N), og, N);
+        }
+      }
+    });
+  }
+}
+
+void check_inputs(const char* op, const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), op, ": CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), op, ": x and weight differ in dtype");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op, ": fp32 or bf16 only");
+}
+
+// x (G, M, K) and weight (G, N, K) or, transposed, (G, K, N) → (G, M, N) in x's dtype, plus bias (N) if given
+at::Tensor product(const at::Tensor& x, const at::Tensor& weight, bool transposed, const c10::optional<at::Tensor>& bias) {
+  const int64_t G = x.size(0), M = x.size(1), N = transposed ? weight.size(2) : weight.size(1);
+  std::vector<float> acc(G * M * N);
+  if (x.scalar_type() == at::kFloat) {
+    run<float>(x, weight, transposed, acc);
+  } else {
+    run<c10::BFloat16>(x, weight, transposed, acc);
+  }
+  at::Tensor out = at::empty({G, M, N}, x.options());
+  auto store = [&](auto* op) {
+    using T = std::remove_pointer_t<decltype(op)>;
+    const T* bp = bias.has_value() ? bias->data_ptr<T>() : nullptr;
+    for (int64_t i = 0; i < G * M * N; ++i) op[i] = static_cast<T>(acc[i] + (bp ? static_cast<float>(bp[i % N]) : 0.f));
+  };
+  if (x.scalar_type() == at::kFloat) {
+    store(out.data_ptr<float>());
+  } else {
+    store(out.data_ptr<c10::BFloat16>());
+  }
+  return out;
+}
+
+// F.linear over a few rows: x (..., K), weight (N, K) with contiguous rows, bias (N) or none → (..., N); or, with
+// a weight (G, N, K) whose rows are contiguous (any group stride), x (G, M, K) → (G, M, N) (bmm(x, weightᵀ))
+at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  check_inputs("linear_rows", x, weight);
+  TORCH_CHECK((weight.dim() == 2 || weight.dim() == 3) && weight.stride(-1) == 1 && weight.stride(-2) == weight.size(-1),
+              "linear_rows: weight must be (N, K) or (G, N, K) with contiguous rows");
+  const int64_t K = weight.size(-1), N = weight.size(-2);
+  TORCH_CHECK(x.size(-1) == K, "linear_rows: x has ", x.size(-1), " columns, the weight ", K);
+  TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous() &&
+                                    bias->scalar_type() == weight.scalar_type()),
+              "linear_rows: bias must be a contiguous (N) vector of the weight's dtype");
+  if (weight.dim() == 3) {
+    TORCH_CHECK(x.dim() == 3 && x.size(0) == weight.size(0), "linear_rows: x must be (G, M, K) for a (G, N, K) weight");
+    return product(x.contiguous(), weight, false, bias);
+  }
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  return product(x.reshape({1, -1, K}).contiguous(), weight.unsqueeze(0), false, bias).view(shape);
+}
+
+// bmm over a few rows with an untransposed weight: x (G, M, K), weight (G, K, N) with contiguous rows (any group
+// stride) → (G, M, N)
+at::Tensor rows_times(const at::Tensor& x, const at::Tensor& weight) {
+  check_inputs("rows_times", x, weight);
+  TORCH_CHECK(x.dim() == 3 && weight.dim() == 3 && x.size(0) == weight.size(0) && x.size(2) == weight.size(1),
+              "rows_times: x (G, M, K) and weight (G, K, N) expected");
+  TORCH_CHECK(weight.stride(2) == 1 && weight.stride(1) == weight.size(2),
+              "rows_times: the weight's rows must be contiguous");
+  return product(x.contiguous(), weight, true, c10::nullopt);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(seekforge, m) {
+  m.def("linear_rows(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("rows_times(Tensor x, Tensor weight) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(seekforge, CPU, m) {
+  m.impl("linear_rows", &linear_rows);
+  m.impl("rows_times", &rows_times);
+}
