@@ -39,6 +39,7 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
+HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
 MAX_LINEAR_ROWS = 4  # linear_rows' query rows per pass over the weight (more run in passes of 4)
 _loaded: bool | None = None  # None: not tried yet
 
@@ -132,7 +133,7 @@ def build() -> bool:
     # -fopenmp: at::parallel_for splits the work over torch's OpenMP threads only when compiled with it
     flags = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
     # the name carries a hash of sources and flags: an edited kernel is rebuilt, never an old build loaded
-    text = "".join(source.read_text() for source in SOURCES) + " ".join(flags)
+    text = "".join(source.read_text() for source in SOURCES + HEADERS) + " ".join(flags)
     name = f"seekforge_cpu_kernels_{hashlib.sha256(text.encode()).hexdigest()[:12]}"
     log.info("loading the CPU kernels %s (the first use on a machine compiles them, ~20-60 s)", name)
     try:
