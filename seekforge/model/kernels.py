@@ -8,11 +8,13 @@ sequences × 192 latents × 576 took 4.2-4.5 ms a layer in bf16 and 4.1-5.7 ms i
 without AMX (AMD EPYC, 2 threads), against 2.4-2.8 and 3.4-4.1 ms for this kernel, which reads each latent row
 once for both passes.
 
-Linear layers over one to four rows (csrc/linear_rows.cpp: batch-1 decode, the chosen experts of one token).
-There a linear layer is a stream over its weight, each value used once. oneDNN's bf16 and MKL's fp32 GEMMs
-read it at 5-13 GB/s on that CPU (one row, 2 threads, the `small` preset's 256×512 to 4096×512 weights, each
-read from memory), of the ~40 GB/s it streams; the kernel, which reads each weight row front to back,
-reads them at 16-26 GB/s in bf16 and 18-30 GB/s in fp32 (1.8-3.1× faster).
+Linear layers over one to four rows (csrc/linear_rows.cpp: batch-1 decode, the chosen experts of one token, MLA's
+absorbed per-head products). There a linear layer is a stream over its weight, each value used once. On that
+CPU (one row, 2 threads, the `small` preset's 192×512 to 4096×512 weights, each read from memory, where a plain
+sum streams 26-40 GB/s) oneDNN's bf16 GEMM read them at 5-13 GB/s and the kernel, which reads each weight row
+front to back, at 12-28 GB/s (1.7-2.6×, benchmarks/cpu_kernels.py); MKL's fp32 GEMM at 8-14 and the kernel at
+18-30 GB/s (2.0-3.1×). oneDNN's bf16 bmm also copies the absorbed products' per-head views (a gap between the
+heads) into contiguous ones at every call, which the kernel reads in place.
 
 On CPUs with AMX PyTorch's kernels run bf16 on AMX tiles (decode attention ~1.2 ms a layer on the AMX machine
 BENCHMARKS.md was measured on); these kernels have no AMX path and are not used there.
