@@ -105,8 +105,8 @@ void column_chunk_any(int mb, const float* x, const T* w, int64_t K, int64_t ldw
 }
 
 // G groups of M query rows (x: G × M × K, contiguous) against G weights (W: G × N × K rows, `transposed`: G × K
-// × N, rows contiguous in both, any group stride) → fp32 out (G × M × N): groups and blocks of weight rows (or
-// of 64 columns) split over the threads, the query rows four at a time.
+// × N, rows contiguous in both, any group stride) → fp32 out (G × M × N): groups and blocks of 16 weight rows
+// (or of chunk_columns columns) split over the threads, the query rows four at a time.
 template <typename T>
 void run(const at::Tensor& x, const at::Tensor& weight, bool transposed, std::vector<float>& out) {
   const int64_t G = x.size(0), M = x.size(1), K = x.size(2);
