@@ -203,9 +203,7 @@ class GroupedExperts(nn.Module):
             return self._one_token_traced(x, weights, indices)
         chosen = indices[0].tolist()
         if kernels.ready() and kernels.linear_takes(x, self.gate_up_proj[0]):  # the few-rows kernel, per expert
-            act = swiglu(torch.cat([kernels.linear(x, self.gate_up_proj[e]) for e in chosen]))  # (K, I)
-            outs = torch.cat([kernels.linear(act[j:j + 1], self.down_proj[e]) for j, e in enumerate(chosen)])
-            return weighted_sum(outs[None], weights)
+            return self._through(x, weights, chosen)
         gate_up = x.new_empty(len(chosen), self.gate_up_proj.shape[1])  # (K, 2I)
         for j, e in enumerate(chosen):
             torch.mm(x, self.gate_up_proj[e].t(), out=gate_up[j:j + 1])
@@ -220,15 +218,19 @@ class GroupedExperts(nn.Module):
         traced integer (dynamo's capture_scalar_outputs), so its weights stay views, read once by the mm,
         where indexing the stacked weights with the ids would copy the K experts' matrices every token."""
         num_experts = self.gate_up_proj.shape[0]
-        gate_up, down = [], []
+        chosen = []
         for j in range(indices.shape[1]):
             e = indices[0, j].item()
             torch._check(e >= 0)
             torch._check(e < num_experts)
-            gate_up.append(kernels.linear(x, self.gate_up_proj[e]))
-            down.append(self.down_proj[e])
-        act = swiglu(torch.cat(gate_up))  # (K, I)
-        outs = torch.cat([kernels.linear(act[j:j + 1], w) for j, w in enumerate(down)])  # (K, H)
+            chosen.append(e)
+        return self._through(x, weights, chosen)
+
+    def _through(self, x: torch.Tensor, weights: torch.Tensor, chosen: list) -> torch.Tensor:
+        """x (1, H) through the experts `chosen` (ids: ints, or traced ints) → their weighted sum (1, H); each
+        expert's weights are read as views, by kernels.linear (the few-rows kernel where it takes the call)."""
+        act = swiglu(torch.cat([kernels.linear(x, self.gate_up_proj[e]) for e in chosen]))  # (K, I)
+        outs = torch.cat([kernels.linear(act[j:j + 1], self.down_proj[e]) for j, e in enumerate(chosen)])  # (K, H)
         return weighted_sum(outs[None], weights)
 
     def forward_batched(self, x: torch.Tensor, weights: torch.Tensor, slots: ExpertSlots) -> torch.Tensor:
