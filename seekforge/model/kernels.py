@@ -89,6 +89,15 @@ def bmm_t(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.bmm(x, weight.transpose(1, 2))
 
 
+def linear_indexed(x: torch.Tensor, weight: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """torch.bmm(x, weight[index].transpose(1, 2)) for x (G, M, K), a stack of weights (E, N, K) and G ids (a
+    token's chosen experts), by the kernel where it takes the call, which reads the chosen weights in place;
+    weight[index] copies them."""
+    if _loaded and linear_takes(x, weight, grouped=True):
+        return torch.ops.seekforge.linear_rows_indexed(x, weight, index)
+    return torch.bmm(x, weight[index].transpose(1, 2))
+
+
 def bmm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """torch.bmm(x, weight) for x (G, M, K) and weight (G, K, N) (MLA's absorbed key weights), by the kernel where
     it takes the call (see bmm_t)."""
@@ -152,6 +161,10 @@ def build() -> bool:
     @torch.library.register_fake("seekforge::linear_rows")
     def _(x, weight, bias):
         return x.new_empty(*x.shape[:-1], weight.shape[-2])
+
+    @torch.library.register_fake("seekforge::linear_rows_indexed")
+    def _(x, weight, index):
+        return x.new_empty(x.shape[0], x.shape[1], weight.shape[1])
 
     @torch.library.register_fake("seekforge::rows_times")
     def _(x, weight):

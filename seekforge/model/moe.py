@@ -199,11 +199,14 @@ class GroupedExperts(nn.Module):
         sum of its K experts' outputs (1, H), straight through the chosen experts' weights — the same mms
         and the same weighted sum as dispatch → forward → combine, without the sort, the two gathers and
         the per-expert row bookkeeping around them (~40% of a MoE layer's time at batch 1, fp32)."""
+        if kernels.ready() and kernels.linear_takes(x, self.gate_up_proj[0]):
+            # the few-rows kernel, reading the chosen experts' weights in place: one call per projection
+            chosen, k = indices[0], indices.shape[1]
+            act = swiglu(kernels.linear_indexed(x.expand(k, -1)[:, None], self.gate_up_proj, chosen))  # (K, 1, I)
+            return weighted_sum(kernels.linear_indexed(act, self.down_proj, chosen).view(1, k, -1), weights)
         if torch.compiler.is_compiling():
             return self._one_token_traced(x, weights, indices)
         chosen = indices[0].tolist()
-        if kernels.ready() and kernels.linear_takes(x, self.gate_up_proj[0]):  # the few-rows kernel, per expert
-            return self._through(x, weights, chosen)
         gate_up = x.new_empty(len(chosen), self.gate_up_proj.shape[1])  # (K, 2I)
         for j, e in enumerate(chosen):
             torch.mm(x, self.gate_up_proj[e].t(), out=gate_up[j:j + 1])
@@ -214,9 +217,10 @@ class GroupedExperts(nn.Module):
         return weighted_sum(outs[None], weights)
 
     def _one_token_traced(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        """forward_one_token as torch.compile traces it (serve/compiled.py): each chosen expert id becomes a
-        traced integer (dynamo's capture_scalar_outputs), so its weights stay views, read once by the mm,
-        where indexing the stacked weights with the ids would copy the K experts' matrices every token."""
+        """forward_one_token as torch.compile traces it (serve/compiled.py) where our kernels do not run: each
+        chosen expert id becomes a traced integer (dynamo's capture_scalar_outputs), so its weights stay views,
+        read once by the mm, where indexing the stacked weights with the ids would copy the K experts' matrices
+        every token."""
         num_experts = self.gate_up_proj.shape[0]
         chosen = []
         for j in range(indices.shape[1]):
@@ -224,13 +228,8 @@ class GroupedExperts(nn.Module):
             torch._check(e >= 0)
             torch._check(e < num_experts)
             chosen.append(e)
-        return self._through(x, weights, chosen)
-
-    def _through(self, x: torch.Tensor, weights: torch.Tensor, chosen: list) -> torch.Tensor:
-        """x (1, H) through the experts `chosen` (ids: ints, or traced ints) → their weighted sum (1, H); each
-        expert's weights are read as views, by kernels.linear (the few-rows kernel where it takes the call)."""
-        act = swiglu(torch.cat([kernels.linear(x, self.gate_up_proj[e]) for e in chosen]))  # (K, I)
-        outs = torch.cat([kernels.linear(act[j:j + 1], self.down_proj[e]) for j, e in enumerate(chosen)])  # (K, H)
+        act = swiglu(torch.cat([F.linear(x, self.gate_up_proj[e]) for e in chosen]))  # (K, I)
+        outs = torch.cat([F.linear(act[j:j + 1], self.down_proj[e]) for j, e in enumerate(chosen)])  # (K, H)
         return weighted_sum(outs[None], weights)
 
     def forward_batched(self, x: torch.Tensor, weights: torch.Tensor, slots: ExpertSlots) -> torch.Tensor:

@@ -146,3 +146,21 @@ def test_grouped_products_equal_bmm(rows, dtype, tol, monkeypatch):
     torch.testing.assert_close(got_k.double(), torch.bmm(q.double(), w_uk.double()), atol=tol, rtol=tol)
     torch.testing.assert_close(got_v.double(), torch.bmm(latent.double(), w_uv.double().transpose(1, 2)),
                                atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_indexed_products_equal_bmm_of_the_chosen_weights(rows, dtype, tol, monkeypatch):
+    """kernels.linear_indexed: G query groups, each against the weight its id picks from a stack (a token's chosen
+    experts, an id twice among them), read in place; an id outside the stack is an error, not a read past it."""
+    gen = torch.Generator().manual_seed(0)
+    stack = torch.randn(6, 40, 70, generator=gen).to(dtype)
+    x = torch.randn(4, rows, 70, generator=gen).to(dtype)
+    ids = torch.tensor([5, 0, 3, 5])
+    monkeypatch.setattr(kernels, "_loaded", True)
+    with torch.no_grad():
+        got = kernels.linear_indexed(x, stack, ids)
+    torch.testing.assert_close(got.double(), torch.bmm(x.double(), stack[ids].double().transpose(1, 2)),
+                               atol=tol, rtol=tol)
+    with pytest.raises(RuntimeError, match="index 6 outside the 6 weights"):
+        torch.ops.seekforge.linear_rows_indexed(x, stack, torch.tensor([5, 0, 6, 1]))

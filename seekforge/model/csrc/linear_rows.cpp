@@ -104,32 +104,46 @@ void column_chunk_any(int mb, const float* x, const T* w, int64_t K, int64_t ldw
   }
 }
 
-// G groups of M query rows (x: G × M × K, contiguous) against G weights (W: G × N × K rows, `transposed`: G × K
-// × N, rows contiguous in both, any group stride) → fp32 out (G × M × N): groups and blocks of 16 weight rows
-// (or of chunk_columns columns) split over the threads, the query rows four at a time.
+// The operands of a product: G groups of M query rows K wide (x, contiguous) against G weights of N rows K wide
+// (or, `transposed`, K rows N wide) with contiguous rows, the weights `group` values apart, or, given `index`, the
+// weights index[g] of a stack.
+struct Operands {
+  const at::Tensor& x;
+  const at::Tensor& weight;
+  int64_t G, M, K, N, group;
+  bool transposed = false;
+  const int64_t* index = nullptr;
+};
+
+// → fp32 out (G × M × N): groups and blocks of 16 weight rows (or of chunk_columns columns) split over the
+// threads, the query rows four at a time.
 template <typename T>
-void run(const at::Tensor& x, const at::Tensor& weight, bool transposed, std::vector<float>& out) {
-  const int64_t G = x.size(0), M = x.size(1), K = x.size(2);
-  const int64_t N = transposed ? weight.size(2) : weight.size(1), group = weight.stride(0);
-  std::vector<float> xf(G * M * K);  // the query rows in fp32
-  const T* xp = x.data_ptr<T>();
+void run(const Operands& o, float* out) {
+  const int64_t G = o.G, M = o.M, K = o.K, N = o.N;
+  // the query rows in fp32, in this thread's buffer (kept: a decode step makes ~100 of these calls); the workers
+  // read it through `xs` (a thread_local named in the lambda would be each worker's own)
+  thread_local std::vector<float> xf;
+  xf.resize(G * M * K);
+  const T* xp = o.x.data_ptr<T>();
   for (int64_t i = 0; i < G * M * K; ++i) xf[i] = static_cast<float>(xp[i]);
-  const T* wp = weight.data_ptr<T>();
+  const float* xs = xf.data();
+  const T* wp = o.weight.data_ptr<T>();
   for (int64_t m0 = 0; m0 < M; m0 += 4) {
     const int mb = int(std::min<int64_t>(4, M - m0));
-    const int64_t width = transposed ? chunk_columns(mb) : 16;  // a work item: columns of W, or 16 rows
+    const int64_t width = o.transposed ? chunk_columns(mb) : 16;  // a work item: columns of W, or 16 rows
     const int64_t items = (N + width - 1) / width;
     // a thread takes at least ~64 KB of weight (smaller layers run on fewer threads)
     const int64_t grain = std::max<int64_t>(1, 65536 / (width * K * int64_t(sizeof(T))));
     at::parallel_for(0, G * items, grain, [&](int64_t b, int64_t e) {
       for (int64_t i = b; i < e; ++i) {
         const int64_t g = i / items, n = (i % items) * width;
-        const float* xg = xf.data() + (g * M + m0) * K;
-        float* og = out.data() + (g * M + m0) * N;
-        if (transposed) {
-          column_chunk_any<T>(mb, xg, wp + g * group, K, N, n, N, og, N);
+        const float* xg = xs + (g * M + m0) * K;
+        float* og = out + (g * M + m0) * N;
+        const T* wg = wp + (o.index ? o.index[g] : g) * o.group;
+        if (o.transposed) {
+          column_chunk_any<T>(mb, xg, wg, K, N, n, N, og, N);
         } else {
-          rows_range<T>(mb, xg, wp + g * group, K, n, std::min(n + width, N), og, N);
+          rows_range<T>(mb, xg, wg, K, n, std::min(n + width, N), og, N);
         }
       }
     });
@@ -142,22 +156,23 @@ void check_inputs(const char* op, const at::Tensor& x, const at::Tensor& weight)
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op, ": fp32 or bf16 only");
 }
 
-// x (G, M, K) and weight (G, N, K) or, transposed, (G, K, N) → (G, M, N) in x's dtype, plus bias (N) if given
-at::Tensor product(const at::Tensor& x, const at::Tensor& weight, bool transposed, const c10::optional<at::Tensor>& bias) {
-  const int64_t G = x.size(0), M = x.size(1), N = transposed ? weight.size(2) : weight.size(1);
-  std::vector<float> acc(G * M * N);
-  if (x.scalar_type() == at::kFloat) {
-    run<float>(x, weight, transposed, acc);
+// The product → a tensor of `shape` (G·M·N values) in x's dtype, plus bias (N) if given
+at::Tensor product(const Operands& o, at::IntArrayRef shape, const c10::optional<at::Tensor>& bias) {
+  const int64_t size = o.G * o.M * o.N;
+  thread_local std::vector<float> acc;
+  acc.resize(size);
+  if (o.x.scalar_type() == at::kFloat) {
+    run<float>(o, acc.data());
   } else {
-    run<c10::BFloat16>(x, weight, transposed, acc);
+    run<c10::BFloat16>(o, acc.data());
   }
-  at::Tensor out = at::empty({G, M, N}, x.options());
+  at::Tensor out = at::empty(shape, o.x.options());
   auto store = [&](auto* op) {
     using T = std::remove_pointer_t<decltype(op)>;
     const T* bp = bias.has_value() ? bias->data_ptr<T>() : nullptr;
-    for (int64_t i = 0; i < G * M * N; ++i) op[i] = static_cast<T>(acc[i] + (bp ? static_cast<float>(bp[i % N]) : 0.f));
+    for (int64_t i = 0; i < size; ++i) op[i] = static_cast<T>(acc[i] + (bp ? static_cast<float>(bp[i % o.N]) : 0.f));
   };
-  if (x.scalar_type() == at::kFloat) {
+  if (o.x.scalar_type() == at::kFloat) {
     store(out.data_ptr<float>());
   } else {
     store(out.data_ptr<c10::BFloat16>());
@@ -176,13 +191,33 @@ at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight, const c10:
   TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous() &&
                                     bias->scalar_type() == weight.scalar_type()),
               "linear_rows: bias must be a contiguous (N) vector of the weight's dtype");
+  const at::Tensor xc = x.contiguous();
   if (weight.dim() == 3) {
     TORCH_CHECK(x.dim() == 3 && x.size(0) == weight.size(0), "linear_rows: x must be (G, M, K) for a (G, N, K) weight");
-    return product(x.contiguous(), weight, false, bias);
+    return product({xc, weight, x.size(0), x.size(1), K, N, weight.stride(0)}, {x.size(0), x.size(1), N}, bias);
   }
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = N;
-  return product(x.reshape({1, -1, K}).contiguous(), weight.unsqueeze(0), false, bias).view(shape);
+  return product({xc, weight, 1, x.numel() / K, K, N, 0}, shape, bias);
+}
+
+// x (G, M, K) against the weights index[g] of a stack (E, N, K) with contiguous rows → (G, M, N): a decoding token
+// through its chosen experts, whose weights are read in place (indexing the stack first would copy them)
+at::Tensor linear_rows_indexed(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& index) {
+  check_inputs("linear_rows_indexed", x, weight);
+  TORCH_CHECK(weight.dim() == 3 && weight.stride(2) == 1 && weight.stride(1) == weight.size(2),
+              "linear_rows_indexed: weight must be (E, N, K) with contiguous rows");
+  TORCH_CHECK(x.dim() == 3 && x.size(2) == weight.size(2), "linear_rows_indexed: x must be (G, M, K), K = ",
+              weight.size(2));
+  TORCH_CHECK(index.dim() == 1 && index.size(0) == x.size(0) && index.scalar_type() == at::kLong && index.is_cpu(),
+              "linear_rows_indexed: index must be G int64 ids on the CPU");
+  const at::Tensor ids = index.contiguous();
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  for (int64_t g = 0; g < ids.size(0); ++g)
+    TORCH_CHECK(ip[g] >= 0 && ip[g] < weight.size(0), "linear_rows_indexed: index ", ip[g], " outside the ",
+                weight.size(0), " weights");
+  return product({x.contiguous(), weight, x.size(0), x.size(1), x.size(2), weight.size(1), weight.stride(0), false, ip},
+                 {x.size(0), x.size(1), weight.size(1)}, c10::nullopt);
 }
 
 // bmm over a few rows with an untransposed weight: x (G, M, K), weight (G, K, N) with contiguous rows (any group
@@ -193,7 +228,8 @@ at::Tensor rows_times(const at::Tensor& x, const at::Tensor& weight) {
               "rows_times: x (G, M, K) and weight (G, K, N) expected");
   TORCH_CHECK(weight.stride(2) == 1 && weight.stride(1) == weight.size(2),
               "rows_times: the weight's rows must be contiguous");
-  return product(x.contiguous(), weight, true, c10::nullopt);
+  return product({x.contiguous(), weight, x.size(0), x.size(1), x.size(2), weight.size(2), weight.stride(0), true},
+                 {x.size(0), x.size(1), weight.size(2)}, c10::nullopt);
 }
 
 }  // namespace
@@ -201,8 +237,10 @@ at::Tensor rows_times(const at::Tensor& x, const at::Tensor& weight) {
 TORCH_LIBRARY_FRAGMENT(seekforge, m) {
   m.def("linear_rows(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("rows_times(Tensor x, Tensor weight) -> Tensor");
+  m.def("linear_rows_indexed(Tensor x, Tensor weight, Tensor index) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(seekforge, CPU, m) {
   m.impl("linear_rows", &linear_rows);
   m.impl("rows_times", &rows_times);
+  m.impl("linear_rows_indexed", &linear_rows_indexed);
 }
