@@ -56,12 +56,14 @@ class DenseRowsCache:
 
 
 def decode_rows(model, ids, positions, slots, write_index, context_len: int, mask,
-                pools: list[tuple[torch.Tensor, torch.Tensor]], dense: list[torch.Tensor]) -> torch.Tensor:
-    """The traced step: ids (1, B), positions, slots, write_index (B,) → hidden before the final norm (B, H)."""
+                pools: list[tuple[torch.Tensor, torch.Tensor]], dense: list[torch.Tensor]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The traced step: ids (1, B), positions, slots, write_index (B,) → hidden before the final norm (B, H) and
+    every row's fp32 logits (B, V), as Runner.logits computes them (the final norm fused here, not an eager op)."""
     caches = [DenseRowsCache(c_kv, k_pe, d, slots, write_index, context_len, mask)
               for (c_kv, k_pe), d in zip(pools, dense, strict=True)]
     hidden, _, _ = model.hidden(ids, positions=positions, kv_caches=caches)
-    return hidden[0]
+    return hidden[0], model.lm_head(model.norm(hidden[0])).float()
 
 
 # One entry point per program, and each CompiledDecode compiles copies of them with code objects of their own
@@ -100,10 +102,20 @@ class CompiledDecode:
         # break would bring back the eager ops this exists to remove, so tracing one is an error. cpp_wrapper:
         # the step's kernel calls from generated C++ rather than Python (batch 1: 5.6-6.8 vs 7.1-8.7 ms/token).
         # No guards: checking them read every parameter's metadata (~0.3 ms a step); each program is called
-        # only in the kind of step it was traced for (`applies`, `__call__`), on the same modules.
-        options = {"cpp_wrapper": True, "guard_filter_fn": torch.compiler.skip_all_guards_unsafe}
+        # only in the kind of step it was traced for (`applies`, `__call__`), on the same modules. No size asserts:
+        # the generated code checked the sizes and strides of every input and kernel output at every step (~300
+        # calls), which the traced shapes already say.
+        options = {"cpp_wrapper": True, "guard_filter_fn": torch.compiler.skip_all_guards_unsafe,
+                   "size_asserts": False}
         self.programs = {name: torch.compile(_own_copy(fn), dynamic=True, fullgraph=True, options=options)
                          for name, fn in PROGRAMS.items()}
+        self.traced: set[str] = set()  # the programs compiled already
+        # The pools keep their shapes for the engine's life (a GRPO rollout allocates them again alike), so their
+        # sizes are traced as constants: as symbols they were 24 integers a step that dynamo's prologue read from
+        # the tensors and the C++ wrapper took as tensors.
+        for cache in caches:
+            torch._dynamo.mark_static(cache.c_kv)
+            torch._dynamo.mark_static(cache.k_pe)
 
     @staticmethod
     def supports(model, config) -> str | None:
@@ -123,8 +135,10 @@ class CompiledDecode:
         return (step is not None and not step.rebuild and metadata.num_decodes == ids.shape[1]
                 and step.context_len >= 2 and metadata.lora is None)
 
-    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        """→ hidden before the final norm (B, H), the pools and dense rows updated as the eager step does."""
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """→ hidden before the final norm (B, H) and fp32 logits (B, V), the pools and dense rows updated as the
+        eager step does."""
         step, rows = metadata.dense, ids.shape[1]
         scratch = self.caches[0].scratch
         dense = [scratch.buffers[f"dense{c.layer}"][:rows] for c in self.caches]
@@ -136,12 +150,16 @@ class CompiledDecode:
 
     def _run(self, program, ids, positions, slots, write_index, context_len, mask, dense):
         pools = [(c.c_kv, c.k_pe) for c in self.caches]
+        args = (self.model, ids, positions, slots, write_index, context_len, mask, pools, dense)
+        if program in self.traced:  # the settings below matter to tracing only, and cost ~0.2 ms a step to patch
+            return self.programs[program](*args)
         # capture_scalar_outputs: the chosen experts' ids and the expert batch's size as traced integers
-        # (model/moe.py). No duck shapes: two sizes that happen to be equal when traced (a dense capacity and
-        # the pool's block count, say) must not become one symbol, as nothing checks them later.
+        # (model/moe.py). No duck shapes: two sizes that happen to be equal when traced (two layers' dense
+        # capacities, say) must not become one symbol, as nothing checks them later.
         with torch._dynamo.config.patch(capture_scalar_outputs=True), shape_config.patch(use_duck_shape=False):
-            return self.programs[program](self.model, ids, positions, slots, write_index, context_len, mask, pools,
-                                          dense)
+            out = self.programs[program](*args)
+        self.traced.add(program)
+        return out
 
     @torch.inference_mode()
     def warm_up(self) -> bool:

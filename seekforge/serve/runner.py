@@ -243,16 +243,22 @@ class Runner:
     @torch.inference_mode()
     def forward(self, chunks: list[Chunk]) -> tuple[torch.Tensor, list[int]]:
         """The main model over `chunks` → hidden before the final norm (T, H), first row per chunk."""
+        hidden, rows, _ = self._forward(chunks)
+        return hidden, rows
+
+    def _forward(self, chunks: list[Chunk]) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
+        """forward, and the fp32 logits of every row (T, V) where a compiled step computed them (else None)."""
         ids, positions, metadata, rows = self.prepare(chunks, dense=True)
         if self.compiled is not None and self.compiled.applies(ids, metadata):
-            return self.compiled(ids, positions, metadata), rows
+            hidden, logits = self.compiled(ids, positions, metadata)
+            return hidden, rows, logits
         for cache in self.caches:
             cache.metadata = metadata
         try:
             hidden, _, _ = self.model.hidden(ids, positions=positions, kv_caches=self.caches)  # (1, T, H)
         finally:
             self._clear_lora()
-        return hidden[0], rows
+        return hidden[0], rows, None
 
     @torch.inference_mode()
     def forward_mtp(self, depth: int, chunks: list[Chunk],
@@ -295,7 +301,9 @@ class Runner:
         """The main model over `chunks`, then the head on flat rows `head_rows` → fp32 logits (R, V).
         The seam serve/distributed.py's ShardedRunner mirrors on the other ranks of a TP group."""
         with self._kernels(sum(len(c.token_ids) for c in chunks)):
-            hidden, _ = self.forward(chunks)
+            hidden, _, logits = self._forward(chunks)
+            if logits is not None and head_rows == list(range(len(logits))):  # a plain decode step: every row
+                return logits
             if not head_rows:
                 return hidden.new_empty(0, self.model.cfg.vocab_size).float()
             return self.logits(hidden[head_rows])
