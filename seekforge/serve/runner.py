@@ -247,7 +247,8 @@ class Runner:
         return hidden, rows
 
     def _forward(self, chunks: list[Chunk]) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
-        """forward, and the fp32 logits of every row (T, V) where a compiled step computed them (else None)."""
+        """forward, and the fp32 logits of every row (T, V) where a compiled step computed them (else None: a
+        speculative verify, which takes the hidden states alone, leaves a compiled step's logits unused)."""
         ids, positions, metadata, rows = self.prepare(chunks, dense=True)
         if self.compiled is not None and self.compiled.applies(ids, metadata):
             hidden, logits = self.compiled(ids, positions, metadata)

@@ -1,7 +1,8 @@
 // Linear layers over a few rows on a CPU with AVX-512 (seekforge/model/kernels.py builds and loads them), fp32 or
 // bf16: y = x · Wᵀ (+ b) for x (M, K) with M small (a decode step's one token) and W (N, K), and the grouped
 // forms MLA's absorbed attention needs, x (G, M, K) against G weights (G, N, K) or, untransposed, (G, K, N),
-// which may be views with gaps between the groups.
+// which may be views with gaps between the groups, and a token's chosen experts: x (G, M, K) against the weights
+// index[g] of a stack (E, N, K).
 //
 // At one row a linear layer is a stream over its weight: every weight value is read once and used once. The
 // kernels read the weight in memory order (W's rows front to back; for an untransposed W, 64-128 columns of
