@@ -57,11 +57,12 @@ def weight_bytes_per_token(cfg, dtype: torch.dtype) -> int:
 
 def measure_stream_bandwidth(nbytes: int, dtype: torch.dtype, seconds: float = 1.0) -> float:
     """Bytes/s that a one-row linear layer (a (1, 1024) input: the call batch-1 decode makes with each weight)
-    streams through a (·, 1024) weight of `nbytes` in `dtype`: the faster of F.linear and seekforge's own
-    few-row kernel where this CPU runs it (model/kernels.py), so the bound is what this machine can stream, not
-    what one library does. Sized like the model, so the weight sits in the same level of the memory hierarchy
-    as the model's (one that fits the last-level cache streams from there)."""
-    from seekforge.model import kernels
+    streams through a (·, 1024) weight of `nbytes` in `dtype`: the fastest of F.linear and seekforge's own
+    few-row kernel where this CPU runs it (model/kernels.py), each on 4 KiB pages and then on 2 MiB ones where
+    the system moves the weight there (the engine's weights are, model/pages.py), so the bound is what this
+    machine can stream, not what one library does. Sized like the model, so the weight sits in the same level
+    of the memory hierarchy as the model's (one that fits the last-level cache streams from there)."""
+    from seekforge.model import kernels, pages
 
     gen = torch.Generator().manual_seed(0)
     rows = max(1, nbytes // (1024 * torch.tensor([], dtype=dtype).element_size()))
@@ -70,12 +71,15 @@ def measure_stream_bandwidth(nbytes: int, dtype: torch.dtype, seconds: float = 1
     calls = [torch.nn.functional.linear] + ([kernels.linear] if kernels.load() else [])
     best = 0.0
     with torch.no_grad():
-        for linear in calls:
-            for _ in range(2):
-                linear(x, w)
-            iters, start = 0, time.perf_counter()
-            while time.perf_counter() - start < seconds:
-                linear(x, w)
-                iters += 1
-            best = max(best, w.nbytes * iters / (time.perf_counter() - start))
+        for huge in (False, True):
+            if huge and not pages.collapse([w])[0]:
+                break
+            for linear in calls:
+                for _ in range(2):
+                    linear(x, w)
+                iters, start = 0, time.perf_counter()
+                while time.perf_counter() - start < seconds:
+                    linear(x, w)
+                    iters += 1
+                best = max(best, w.nbytes * iters / (time.perf_counter() - start))
     return best
