@@ -14,7 +14,8 @@ latents each row computes go to their pool slot, as always, and to its dense row
 reads. Three programs, each traced once with dynamic shapes (every context length, dense capacity and
 batch size) and compiled at engine start (`warm_up`; the three ~130 s on 2 cores the first time, ~45 s with
 inductor's on-disk cache): one sequence (its experts' weights read as views, model/moe.py), several
-sequences of one context length, and several of different lengths (masked). Everything else — prefill
+sequences of one context length, and several of different lengths (masked). Once traced, a program's compiled
+graph is called directly (DirectEntry), not through dynamo's entry. Everything else — prefill
 chunks, speculative verifies, LoRA rows, int8 latents, the first two steps of a new set of decoding sequences
 (a gather, then the dense rows' build) — runs eagerly.
 """
@@ -27,6 +28,7 @@ import types
 
 import torch
 import torch.fx.experimental._config as shape_config
+from torch._inductor.compile_fx import compile_fx
 
 from seekforge.serve.kv_cache import AttentionMetadata, PagedLatentCache, mask_width
 
@@ -60,6 +62,8 @@ def decode_rows(model, ids, positions, slots, write_index, context_len: int, mas
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The traced step: ids (1, B), positions, slots, write_index (B,) → hidden before the final norm (B, H) and
     every row's fp32 logits (B, V), as Runner.logits computes them (the final norm fused here, not an eager op)."""
+    for d in dense[1:]:  # every layer's dense rows have one capacity (DenseRows): one traced size, not one each
+        torch._check(d.shape[1] == dense[0].shape[1])
     caches = [DenseRowsCache(c_kv, k_pe, d, slots, write_index, context_len, mask)
               for (c_kv, k_pe), d in zip(pools, dense, strict=True)]
     hidden, _, _ = model.hidden(ids, positions=positions, kv_caches=caches)
@@ -92,6 +96,46 @@ def _own_copy(fn):
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
+class DirectEntry:
+    """A traced program's compiled graph, called without dynamo's entry (its frame hook, a prologue reading ~120
+    parameters through module attributes, AOT's wrappers: ~0.3-0.5 ms a step, 10-15% of batch 1).
+
+    The graph's inputs are what dynamo recorded as their sources: the model's (`L['args'][0]._modules['norm']
+    ._parameters['weight']`, a float of its config) are kept as dynamo passed them on the tracing call, being
+    objects whose tensors change in place (a GRPO update, MasterWeights' swaps of `.data`); the step's own
+    (`L['args'][1]`, `L['args'][8][0].size()[1]`) are read on each call by one generated function."""
+
+    def __init__(self, compiled, graphargs: list):
+        sources = [arg.source.name for arg in graphargs]
+        model = [i for i, source in enumerate(sources) if source.startswith("L['args'][0]")]
+        if any(arg.pass_arg_as_tensor for i, arg in enumerate(graphargs) if i not in model):
+            raise ValueError("a step input that dynamo converts")  # none of decode_rows' is: stay on dynamo's way
+        self.compiled, self.model = compiled, model
+        self.constants: list | None = None  # the model's inputs, from the tracing call (`traced`)
+        fields = [f"C[{model.index(i)}]" if i in model else source for i, source in enumerate(sources)]
+        self.inputs = eval(f"lambda L, C: [{', '.join(fields)}]")  # noqa: S307 - the sources are dynamo's code
+
+    def traced(self, *inputs):
+        """Dynamo's call of the compiled graph: keep the model's inputs as it passed them."""
+        self.constants = [inputs[i] for i in self.model]
+        return self.compiled(*inputs)
+
+    def __call__(self, args: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.compiled(*self.inputs({"args": args}, self.constants))
+        return out[0], out[1]
+
+    def matches(self, args: tuple, expected: tuple[torch.Tensor, torch.Tensor]) -> bool:
+        """Does this entry return what dynamo's entry just returned for `args`? A step run twice is the same step
+        (it writes the same latents to the same slots before reading them). Checked once, after tracing."""
+        if self.constants is None:
+            return False
+        try:
+            out = self(args)
+        except Exception:  # noqa: BLE001 - inputs read wrongly: dynamo's entry stays the way in
+            return False
+        return all(torch.equal(a, b) for a, b in zip(out, expected, strict=True))
+
+
 class CompiledDecode:
     """The compiled decode steps over a runner's pools and dense rows."""
 
@@ -99,16 +143,13 @@ class CompiledDecode:
         self.model = model
         self.caches = caches
         # dynamic: each program serves every context length, dense capacity and batch size. fullgraph: a graph
-        # break would bring back the eager ops this exists to remove, so tracing one is an error. cpp_wrapper:
-        # the step's kernel calls from generated C++ rather than Python (batch 1: 5.6-6.8 vs 7.1-8.7 ms/token).
-        # No guards: checking them read every parameter's metadata (~0.3 ms a step); each program is called
-        # only in the kind of step it was traced for (`applies`, `__call__`), on the same modules. No size asserts:
-        # the generated code checked the sizes and strides of every input and kernel output at every step (~300
-        # calls), which the traced shapes already say.
-        options = {"cpp_wrapper": True, "guard_filter_fn": torch.compiler.skip_all_guards_unsafe,
-                   "size_asserts": False}
-        self.programs = {name: torch.compile(_own_copy(fn), dynamic=True, fullgraph=True, options=options)
+        # break would bring back the eager ops this exists to remove, so tracing one is an error. No guards:
+        # checking them read every parameter's metadata (~0.3 ms a step); each program is called only in the
+        # kind of step it was traced for (`applies`, `__call__`), on the same modules. The backend: `_backend`.
+        self.programs = {name: torch.compile(_own_copy(fn), backend=self._backend(name), dynamic=True, fullgraph=True,
+                                             options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe})
                          for name, fn in PROGRAMS.items()}
+        self.entries: dict[str, DirectEntry] = {}
         self.traced: set[str] = set()  # the programs compiled already
         # The pools keep their shapes for the engine's life (a GRPO rollout allocates them again alike), so their
         # sizes are traced as constants: as symbols they were 24 integers a step that dynamo's prologue read from
@@ -151,6 +192,9 @@ class CompiledDecode:
     def _run(self, program, ids, positions, slots, write_index, context_len, mask, dense):
         pools = [(c.c_kv, c.k_pe) for c in self.caches]
         args = (self.model, ids, positions, slots, write_index, context_len, mask, pools, dense)
+        entry = self.entries.get(program)
+        if entry is not None:
+            return entry(args)
         if program in self.traced:  # the settings below matter to tracing only, and cost ~0.2 ms a step to patch
             return self.programs[program](*args)
         # capture_scalar_outputs: the chosen experts' ids and the expert batch's size as traced integers
@@ -159,7 +203,25 @@ class CompiledDecode:
         with torch._dynamo.config.patch(capture_scalar_outputs=True), shape_config.patch(use_duck_shape=False):
             out = self.programs[program](*args)
         self.traced.add(program)
+        entry = self.entries.get(program)
+        if entry is not None and not entry.matches(args, out):
+            del self.entries[program]  # reads its inputs otherwise than dynamo does: keep dynamo's entry
         return out
+
+    def _backend(self, program: str):
+        """torch.compile's backend for `program`: inductor, the step's kernels called from generated C++
+        (cpp_wrapper: batch 1 5.6-6.8 vs 7.1-8.7 ms/token) without checking the sizes and strides of every input
+        and kernel output at every step (~300 calls; the traced shapes already say them); and the compiled
+        graph kept with where each of its inputs comes from, for DirectEntry."""
+        def compile(gm: torch.fx.GraphModule, example_inputs, **_):
+            compiled = compile_fx(gm, example_inputs, config_patches={"cpp_wrapper": True, "size_asserts": False})
+            try:
+                entry = DirectEntry(compiled, [node.meta["grapharg"] for node in gm.graph.find_nodes(op="placeholder")])
+            except (KeyError, AttributeError, ValueError, SyntaxError):  # graphs of another torch: dynamo's way only
+                return compiled
+            self.entries[program] = entry
+            return entry.traced
+        return compile
 
     @torch.inference_mode()
     def warm_up(self) -> bool:

@@ -73,6 +73,35 @@ def test_batched_compiled_steps_equal_eager(compiled_llm, tiny_model, byte_token
     assert len(compiled_calls) == 29 - 3 * 2
 
 
+def test_programs_are_entered_directly_and_see_weights_changed_in_place(compiled_llm, tiny_model, byte_tokenizer,
+                                                                        compiled_calls):
+    """Each program runs its compiled graph without dynamo's entry (DirectEntry), and reads the model's weights
+    when it runs: a weight's values changed in place and a parameter's `.data` swapped (as GRPO's updates and
+    MasterWeights do after the programs were traced) reach the compiled steps as they reach the eager ones."""
+    assert set(compiled_llm.engine.runner.compiled.entries) == {"one", "rows", "masked"}
+    eager = LLM(tiny_model, byte_tokenizer, block_size=8, num_kv_blocks=64)
+    prompts = [list(range(5, 30)), list(range(40, 52))]
+    params = [greedy(10), greedy(14)]
+    before = [o.outputs[0].token_ids for o in compiled_llm.generate(prompts, params)]
+    head, expert = tiny_model.lm_head.weight, tiny_model.moe_layers()[0].experts.gate_up_proj
+    head_data = head.data
+    try:
+        with torch.no_grad():
+            head.data = head_data.flip(0).contiguous()
+            expert.mul_(-1)
+        want = [o.outputs[0] for o in eager.generate(prompts, params)]
+        got = [o.outputs[0] for o in compiled_llm.generate(prompts, params)]
+    finally:
+        with torch.no_grad():
+            head.data = head_data
+            expert.mul_(-1)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want] != before
+    for a, b in zip(got, want, strict=True):  # logprobs of -5 to -10 here: fp32's reordered sums, relatively
+        torch.testing.assert_close(logprobs(a), logprobs(b), rtol=5e-4, atol=1e-4)
+    # each generate: 13 decode steps; of each set of rows (2, then 1) the first two are eager
+    assert len(compiled_calls) == 2 * (13 - 2 * 2)
+
+
 def test_unsupported_configs_decode_eagerly(tiny_model):
     assert "int8" in CompiledDecode.supports(tiny_model, EngineConfig(kv_cache_dtype="int8"))
     assert "LoRA" in CompiledDecode.supports(tiny_model, EngineConfig(enable_lora=True))
