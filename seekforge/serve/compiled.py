@@ -28,7 +28,6 @@ import types
 
 import torch
 import torch.fx.experimental._config as shape_config
-from torch._inductor.compile_fx import compile_fx
 
 from seekforge.serve.kv_cache import AttentionMetadata, PagedLatentCache, mask_width
 
@@ -214,6 +213,8 @@ class CompiledDecode:
         and kernel output at every step (~300 calls; the traced shapes already say them); and the compiled
         graph kept with where each of its inputs comes from, for DirectEntry."""
         def compile(gm: torch.fx.GraphModule, example_inputs, **_):
+            from torch._inductor.compile_fx import compile_fx  # imports dynamo: only when a program is traced
+
             compiled = compile_fx(gm, example_inputs, config_patches={"cpp_wrapper": True, "size_asserts": False})
             try:
                 entry = DirectEntry(compiled, [node.meta["grapharg"] for node in gm.graph.find_nodes(op="placeholder")])
