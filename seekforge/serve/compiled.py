@@ -15,9 +15,10 @@ reads. Three programs, each traced once with dynamic shapes (every context lengt
 batch size) and compiled at engine start (`warm_up`; the three ~130 s on 2 cores the first time, ~45 s with
 inductor's on-disk cache): one sequence (its experts' weights read as views, model/moe.py), several
 sequences of one context length, and several of different lengths (masked). Once traced, a program's compiled
-graph is called directly (DirectEntry), not through dynamo's entry. Everything else — prefill
-chunks, speculative verifies, LoRA rows, int8 latents, the first two steps of a new set of decoding sequences
-(a gather, then the dense rows' build) — runs eagerly.
+graph is called directly (DirectEntry), not through dynamo's entry. A new set of decoding sequences has its
+dense rows built from the pool first (eagerly, a copy), then runs compiled from its first step on (eager, its
+first two steps took 3x a compiled one each: ~9 vs 3 ms at batch 1). Everything else — prefill chunks,
+speculative verifies, LoRA rows, int8 latents — runs eagerly.
 """
 
 from __future__ import annotations
@@ -169,17 +170,20 @@ class CompiledDecode:
         return None
 
     def applies(self, ids: torch.Tensor, metadata: AttentionMetadata) -> bool:
-        """Is this step plain decodes from dense rows already built (every token a decode row)? Context lengths
-        from 2 on: torch.compile specializes a size that is 1, and the programs skip the guard that checks."""
+        """Is this step plain decodes from dense rows (every token a decode row)? Context lengths from 2 on:
+        torch.compile specializes a size that is 1, and the programs skip the guard that checks."""
         step = metadata.dense
-        return (step is not None and not step.rebuild and metadata.num_decodes == ids.shape[1]
-                and step.context_len >= 2 and metadata.lora is None)
+        return (step is not None and metadata.num_decodes == ids.shape[1] and step.context_len >= 2
+                and metadata.lora is None)
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """→ hidden before the final norm (B, H) and fp32 logits (B, V), the pools and dense rows updated as the
         eager step does."""
         step, rows = metadata.dense, ids.shape[1]
+        if step.rebuild:  # the rows from the pool, which holds every token but this step's: the step writes that
+            for cache in self.caches:
+                cache.build_dense(metadata)
         scratch = self.caches[0].scratch
         dense = [scratch.buffers[f"dense{c.layer}"][:rows] for c in self.caches]
         # contiguous, as the warm-up's: a program is traced for one layout of each input

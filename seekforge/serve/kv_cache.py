@@ -25,9 +25,10 @@ Dense decode rows (`DenseRows`): gathering every decode row's blocks copies the 
 of every layer each step (64 rows × 192 tokens × 512 fp32 latents: 4.3 ms a layer, as long as the
 attention over it took then, as two batched matmuls). While the same sequences decode step after step
 (plain one-token decodes), each layer instead keeps their latents in a dense (rows, capacity, r + dr)
-tensor, gathered from the pool once on the second step of the same decoding set, appended to in place
-every step after, and attention reads it as a view. The pool is written as always (it stays the source of
-truth: prefix caching, preemption, spec decode and multi-step read it).
+tensor, gathered from the pool once on the second step of the same decoding set (on its first where the
+steps run compiled: serve/compiled.py), appended to in place every step after, and attention reads it as a
+view. The pool is written as always (it stays the source of truth: prefix caching, preemption, spec decode
+and multi-step read it).
 """
 
 from __future__ import annotations
@@ -68,11 +69,11 @@ class AttentionMetadata:
 class DenseStep:
     """A step whose decode rows are the dense rows 0 … Nd-1 (see DenseRows)."""
 
-    rebuild: bool  # True: refill the dense rows from the pool (after this step's writes to it)
+    rebuild: bool  # True: refill the dense rows from the pool (PagedLatentCache.build_dense)
     rows: int  # rows to allocate when the tensor is too small (≥ Nd: room for a growing batch)
     capacity: int  # tokens per dense row
     context_len: int  # the longest decode context this step (rows are read up to it; shorter ones masked)
-    write_index: torch.Tensor | None  # (Nd,) int64 row · capacity + position: where this step's latents go
+    write_index: torch.Tensor  # (Nd,) int64 row · capacity + position: where this step's latents go
     uniform: bool = False  # every row's context is context_len: nothing to mask (batch 1 always)
 
 
@@ -111,14 +112,17 @@ class DenseRows:
     """Which sequence owns which dense decode row (the same in every layer), and when the rows are built
     from the pool. A step's plain decode rows use them once the previous step decoded exactly the same
     sequences, in the same order, one token each (the first such step builds them, the ones after append
-    to them): a decoding set that changes every step (arrivals, finishes) keeps to the gather instead of
-    paying a build each step. Anything else between two plans (a prefill-only step, a speculative verify,
-    multi-step decoding: `invalidate`) starts over, so a dense row never holds a latent the pool does not
-    (a preempted sequence's recomputed latents included)."""
+    to them): in an eager step a build costs about two gathers, so a decoding set that changes every step
+    (arrivals, finishes) keeps to the gather instead of paying a build each step. `at_once`: a new set's
+    rows are built on its first step, for steps that run compiled (serve/compiled.py), where a build and a
+    compiled step cost far less than one eager step. Anything else between two plans (a prefill-only step, a
+    speculative verify, multi-step decoding: `invalidate`) starts over, so a dense row never holds a latent
+    the pool does not (a preempted sequence's recomputed latents included)."""
 
-    def __init__(self, budget_bytes: int, bytes_per_token: int):
+    def __init__(self, budget_bytes: int, bytes_per_token: int, at_once: bool = False):
         self.budget_bytes = budget_bytes  # all layers' dense rows together (the runner: its pools' bytes)
         self.bytes_per_token = bytes_per_token  # one token's latents, all layers
+        self.at_once = at_once
         self.invalidate()
 
     def invalidate(self) -> None:
@@ -135,11 +139,10 @@ class DenseRows:
         continues = seq_ids == self.seq_ids and positions == self.lengths
         self.seq_ids, self.lengths = list(seq_ids), [p + 1 for p in positions]
         if continues and self.built and context_len <= self.capacity:
-            write_index = torch.tensor([row * self.capacity + p for row, p in enumerate(positions)], device=device)
             return DenseStep(rebuild=False, rows=self.rows, capacity=self.capacity, context_len=context_len,
-                             write_index=write_index, uniform=uniform)
+                             write_index=write_index(self.capacity, positions, device), uniform=uniform)
         self.built = False
-        if not continues:
+        if not (continues or self.at_once):
             return None
         # headroom of 128 tokens: growing the capacity costs a rebuild (one gather)
         capacity = max(self.capacity, -(-(context_len + 128) // 128) * 128)
@@ -149,8 +152,13 @@ class DenseRows:
         fit = self.budget_bytes // (capacity * self.bytes_per_token)
         self.rows = max(len(seq_ids), min(1 << (len(seq_ids) - 1).bit_length(), fit))
         self.capacity, self.built = capacity, True
-        return DenseStep(rebuild=True, rows=self.rows, capacity=capacity, context_len=context_len, write_index=None,
-                         uniform=uniform)
+        return DenseStep(rebuild=True, rows=self.rows, capacity=capacity, context_len=context_len,
+                         write_index=write_index(capacity, positions, device), uniform=uniform)
+
+
+def write_index(capacity: int, positions: list[int], device) -> torch.Tensor:
+    """Each decode row's token (row i at positions[i]) → its place in the flattened dense rows (Nd,)."""
+    return torch.tensor([row * capacity + p for row, p in enumerate(positions)], device=device)
 
 
 class GatherScratch:
@@ -282,24 +290,33 @@ class PagedLatentCache:
     def _dense(self, md: AttentionMetadata, nd: int, c_kv: torch.Tensor, k_pe: torch.Tensor):
         """This layer's dense decode rows (see DenseRows) after this step: c_kv (Nd, r), k_pe (Nd, dr) are
         the step's latents → a view (Nd, Sd, r + dr) of the rows ([c_kv | k_pe]), row stride capacity·(r + dr)."""
-        step, r = md.dense, self.c_kv.shape[-1]
+        step = md.dense
+        if step.rebuild:
+            dense = self.build_dense(md)  # the pool already holds this step's latents
+        else:
+            dense = self.scratch.buffers[f"dense{self.layer}"]
+            latents = torch.cat([self._as_stored(c_kv, self.c_kv_scale), self._as_stored(k_pe, self.k_pe_scale)], -1)
+            dense.view(-1, dense.shape[-1]).index_copy_(0, step.write_index, latents)
+        return dense[:nd, :step.context_len]
+
+    def build_dense(self, md: AttentionMetadata) -> torch.Tensor:
+        """Fill this layer's dense decode rows 0 … Nd-1 (a `rebuild` step, md.dense) from each row's blocks of
+        the pool, zeros past them → the (rows, capacity, r + dr) tensor. A compiled step builds them before it
+        runs, so the slot of its own token holds what the pool held there until the step writes it."""
+        step, nd, r = md.dense, md.num_decodes, self.c_kv.shape[-1]
         width = r + self.k_pe.shape[-1]
         name = f"dense{self.layer}"
         dense = self.scratch.buffers.get(name)
-        if step.rebuild:
-            if dense is None or dense.shape[0] < nd or dense.shape[1] != step.capacity:
-                dense = self.scratch.buffers[name] = torch.empty(step.rows, step.capacity, width, dtype=self.dtype,
-                                                                 device=self.c_kv.device)
-            tables = md.decode_block_tables.flatten()  # the pool already holds this step's latents
-            filled = min(step.capacity, md.decode_block_tables.shape[1] * self.c_kv.shape[1])
-            dense[:nd, :filled, :r] = self._read("c_kv", tables).view(nd, -1, r)[:, :filled]
-            dense[:nd, :filled, r:] = self._read("k_pe", tables).view(nd, -1, width - r)[:, :filled]
-            # a shorter row's masked tail is read too: finite values there (probability 0 × NaN is NaN)
-            dense[:nd, filled:].zero_()
-        else:
-            latents = torch.cat([self._as_stored(c_kv, self.c_kv_scale), self._as_stored(k_pe, self.k_pe_scale)], -1)
-            dense.view(-1, width).index_copy_(0, step.write_index, latents)
-        return dense[:nd, :step.context_len]
+        if dense is None or dense.shape[0] < nd or dense.shape[1] != step.capacity:
+            dense = self.scratch.buffers[name] = torch.empty(step.rows, step.capacity, width, dtype=self.dtype,
+                                                             device=self.c_kv.device)
+        tables = md.decode_block_tables.flatten()
+        filled = min(step.capacity, md.decode_block_tables.shape[1] * self.c_kv.shape[1])
+        dense[:nd, :filled, :r] = self._read("c_kv", tables).view(nd, -1, r)[:, :filled]
+        dense[:nd, :filled, r:] = self._read("k_pe", tables).view(nd, -1, width - r)[:, :filled]
+        # a shorter row's masked tail is read too: finite values there (probability 0 × NaN is NaN)
+        dense[:nd, filled:].zero_()
+        return dense
 
     def _as_stored(self, x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
         """x (T, ·) as a read of the pool returns it: int8 pools round it through int8 (as _read does)."""

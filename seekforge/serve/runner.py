@@ -105,19 +105,26 @@ def prompt_rows(chunks: list[Chunk], rows: list[int]) -> list[tuple[Sequence, sl
     return out
 
 
-def plain_decode_layout(order: list[Chunk], block_size: int):
+def plain_decode_layout(order: list[Chunk], block_size: int, device=None):
     """What Runner._layout computes when every chunk is a one-token decode (every step of steady
-    decoding), from Python lists: a handful of tensor ops instead of ~25, whose fixed cost is most of a
-    batch-1 step's preparation. → positions (B,), slots (B,), block tables (B, width), mask
-    (B, 1, 1, width·L)."""
-    pos = [c.start for c in order]
+    decoding), from Python lists in one tensor: the fixed cost of each small tensor op is most of a batch-1
+    step's preparation. → input ids (1, B), positions (B,), slots (B,), block tables (B, width), views of
+    one tensor; the key mask (decode_key_mask) is left to the steps that read it."""
+    b, pos = len(order), [c.start for c in order]
     width = -(-(max(pos) + 1) // block_size)
-    tables = [c.seq.block_table[:width] for c in order]
-    slots = [t[p // block_size] * block_size + p % block_size for t, p in zip(tables, pos, strict=True)]
-    positions = torch.tensor(pos)
-    decode_mask = (torch.arange(width * block_size) < positions[:, None] + 1)[:, None, None, :]
-    return (positions, torch.tensor(slots), torch.tensor([t + [0] * (width - len(t)) for t in tables]),
-            decode_mask)
+    flat = [c.token_ids[0] for c in order] + pos
+    flat += [c.seq.block_table[p // block_size] * block_size + p % block_size for c, p in zip(order, pos, strict=True)]
+    for c in order:
+        table = c.seq.block_table[:width]
+        flat += table + [0] * (width - len(table))
+    data = torch.tensor(flat, device=device)
+    return data[:b][None], data[b:2 * b], data[2 * b:3 * b], data[3 * b:].view(b, width)
+
+
+def decode_key_mask(positions: torch.Tensor, width: int) -> torch.Tensor:
+    """Decode rows' positions (Nd,) → which of `width` cached keys each sees (Nd, 1, 1, width): those up to and
+    including its own."""
+    return (torch.arange(width, device=positions.device) <= positions[:, None])[:, None, None, :]
 
 
 class Runner:
@@ -164,6 +171,7 @@ class Runner:
             else:
                 compiled = CompiledDecode(model, self.caches)
                 self.compiled = compiled if compiled.warm_up() else None
+        self.dense_rows.at_once = self.compiled is not None  # compiled steps read dense rows from a set's first step
 
     def prepare(self, chunks: list[Chunk], dense: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
@@ -172,14 +180,15 @@ class Runner:
         model, whose plain decode rows may read the dense rows (kv_cache.DenseRows)."""
         order = flat_order(chunks)
         if all(c.decode and len(c.token_ids) == 1 for c in order):
-            pos, slots, decode_tables, decode_mask = plain_decode_layout(order, self.block_size)
+            ids, pos, slots, decode_tables = plain_decode_layout(order, self.block_size, self.device)
+            decode_mask = None  # below, unless the dense rows make it unneeded
             nd, decodes, prefills, prefill_tables = len(order), order, [], []
         else:
             pos, slots, decode_tables, decode_mask, prefill_tables = self._layout(order)
             decodes = [c for c in order if c.decode]
             prefills = order[len(decodes):]
             nd = sum(len(c.token_ids) for c in decodes)  # decode rows
-        input_ids = [t for c in order for t in c.token_ids]
+            ids = torch.tensor([[t for c in order for t in c.token_ids]], dtype=torch.long)
         to = self.device
         metadata = AttentionMetadata(
             slot_mapping=slots.to(to), num_decodes=nd,
@@ -197,12 +206,13 @@ class Runner:
                                                self.model.cfg.num_attention_heads, to)
         if dense:
             if nd and nd == len(decodes):  # every decode row a plain one-token decode
-                metadata.dense = self.dense_rows.plan([c.seq.seq_id for c in decodes], pos[:nd].tolist(), to)
+                metadata.dense = self.dense_rows.plan([c.seq.seq_id for c in decodes], [c.start for c in decodes], to)
             else:
                 self.dense_rows.invalidate()
+        if nd and metadata.decode_mask is None and (metadata.dense is None or not metadata.dense.uniform):
+            metadata.decode_mask = decode_key_mask(pos[:nd], decode_tables.shape[1] * self.block_size).to(to)
         self._set_lora(metadata, [c.seq for c in order], [len(c.token_ids) for c in order], nd)
-        ids = torch.tensor([input_ids], dtype=torch.long, device=to)
-        return ids, pos.to(to), metadata, first_rows(chunks)
+        return ids.to(to), pos.to(to), metadata, first_rows(chunks)
 
     def _layout(self, order: list[Chunk]):
         """Chunks in flat order → positions (T,), slots (T,), decode block tables (Nd, width) and mask
@@ -223,10 +233,9 @@ class Runner:
         nd = sum(len(c.token_ids) for c in order[:num_decodes])  # decode rows
         decode_tables = decode_mask = None
         if nd:
-            context_lens = pos[:nd] + 1  # each row sees the cache up to and including itself
-            width = -(-int(context_lens.max()) // bs)
+            width = -(-(int(pos[:nd].max()) + 1) // bs)
             decode_tables = table[chunk_of_token[:nd], :width]  # (Nd, width)
-            decode_mask = (torch.arange(width * bs) < context_lens[:, None])[:, None, None, :]
+            decode_mask = decode_key_mask(pos[:nd], width * bs)
         prefill_tables = [table[num_decodes + i, :-(-(c.start + len(c.token_ids)) // bs)]
                           for i, c in enumerate(order[num_decodes:])]
         return pos, slots, decode_tables, decode_mask, prefill_tables

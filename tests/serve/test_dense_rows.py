@@ -39,6 +39,10 @@ def test_plan_builds_rows_when_a_decoding_set_continues_and_appends_after():
     assert fit.plan([1, 2, 3], [6, 6, 6], "cpu").rows == 3  # ... within the budget
     tight = DenseRows(budget_bytes=100, bytes_per_token=10)
     assert tight.plan([1], [9], "cpu") is None and tight.plan([1], [10], "cpu") is None  # over budget
+    at_once = DenseRows(budget_bytes=10**9, bytes_per_token=10, at_once=True)  # compiled steps: build a new set
+    first = at_once.plan([4, 7], [9, 20], "cpu")
+    assert first.rebuild and first.write_index.tolist() == [9, 256 + 20]
+    assert not at_once.plan([4, 7], [10, 21], "cpu").rebuild and at_once.plan([7, 4], [22, 11], "cpu").rebuild
 
 
 def dense_and_gathered(model, tokenizer, batches, params, **llm_kwargs):
