@@ -17,7 +17,7 @@ inductor's on-disk cache): one sequence (its experts' weights read as views, mod
 sequences of one context length, and several of different lengths (masked). Once traced, a program's compiled
 graph is called directly (DirectEntry), not through dynamo's entry. A new set of decoding sequences has its
 dense rows built from the pool first (eagerly, a copy), then runs compiled from its first step on (eager, its
-first two steps took 3x a compiled one each: ~9 vs 3 ms at batch 1). Everything else — prefill chunks,
+first two steps took ~3x a compiled one each: 11.9 and 10.4 vs 3.5 ms at batch 1). Everything else — prefill chunks,
 speculative verifies, LoRA rows, int8 latents — runs eagerly.
 """
 

@@ -133,7 +133,7 @@ class DenseRows:
 
     def plan(self, seq_ids: list[int], positions: list[int], device) -> DenseStep | None:
         """The step's decode rows (sequence ids, position of each row's token) → a DenseStep, or None when
-        this step gathers (a new decoding set, or rows over the budget)."""
+        this step gathers (a new decoding set, unless `at_once`; rows over the budget)."""
         context_len = max(positions) + 1
         uniform = min(positions) + 1 == context_len
         continues = seq_ids == self.seq_ids and positions == self.lengths
