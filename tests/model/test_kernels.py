@@ -29,10 +29,13 @@ def test_latent_attention_equals_softmax_attention(rows, seq, width, value_dim, 
     gen = torch.Generator().manual_seed(0)
     latents = torch.randn(5, seq + 7, width, generator=gen).to(dtype)[:, :seq]
     q = torch.randn(5, rows, width, generator=gen).to(dtype)
+    q_view = torch.randn(rows, 5, width, generator=gen).to(dtype).transpose(0, 1)  # read in place, not copied
     for lengths in (None, torch.randint(1, seq + 1, (5,), generator=gen)):
-        out = torch.ops.seekforge.latent_attention(q, latents, lengths, 0.1, value_dim)
-        assert out.dtype == dtype and out.shape == (5, rows, value_dim)
-        torch.testing.assert_close(out.float(), reference(q, latents, lengths, 0.1, value_dim), atol=tol, rtol=tol)
+        for query in (q, q_view):
+            out = torch.ops.seekforge.latent_attention(query, latents, lengths, 0.1, value_dim)
+            assert out.dtype == dtype and out.shape == (5, rows, value_dim) and out.is_contiguous()
+            torch.testing.assert_close(out.float(), reference(query, latents, lengths, 0.1, value_dim), atol=tol,
+                                       rtol=tol)
 
 
 def test_latent_attention_compiles():
@@ -132,20 +135,23 @@ def test_one_token_experts_are_the_same_with_the_kernel(monkeypatch):
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 def test_grouped_products_equal_bmm(rows, dtype, tol, monkeypatch):
     """The absorbed attention's two products (kernels.bmm, kernels.bmm_t) over per-head views with gaps between
-    the heads, as MLA.kv_b_weights splits them: widths past a 64/128-column chunk, masked tails."""
+    the heads, as MLA.kv_b_weights splits them: widths past a 64/128-column chunk, masked tails; the query rows
+    contiguous or, as a decode step's heads are, a transposed view (read in place)."""
     gen = torch.Generator().manual_seed(0)
     heads, dn, dv, r = 3, 40, 24, 150
     kv_b = torch.randn(heads, dn + dv, r, generator=gen).to(dtype)
     w_uk, w_uv = kv_b.split([dn, dv], dim=1)
-    q = torch.randn(heads, rows, dn, generator=gen).to(dtype)
-    latent = torch.randn(heads, rows, r, generator=gen).to(dtype)
+    q_rows = torch.randn(heads, rows, dn, generator=gen).to(dtype)
+    latent_rows = torch.randn(heads, rows, r, generator=gen).to(dtype)
     monkeypatch.setattr(kernels, "_loaded", True)
-    with torch.no_grad():
-        got_k, got_v = kernels.bmm(q, w_uk), kernels.bmm_t(latent, w_uv)
-        assert kernels.linear_takes(q, w_uk, grouped=True) == (rows <= kernels.MAX_LINEAR_ROWS)
-    torch.testing.assert_close(got_k.double(), torch.bmm(q.double(), w_uk.double()), atol=tol, rtol=tol)
-    torch.testing.assert_close(got_v.double(), torch.bmm(latent.double(), w_uv.double().transpose(1, 2)),
-                               atol=tol, rtol=tol)
+    for q, latent in ((q_rows, latent_rows), (q_rows.transpose(0, 1).contiguous().transpose(0, 1),
+                                              latent_rows.transpose(0, 1).contiguous().transpose(0, 1))):
+        with torch.no_grad():
+            got_k, got_v = kernels.bmm(q, w_uk), kernels.bmm_t(latent, w_uv)
+            assert kernels.linear_takes(q, w_uk, grouped=True) == (rows <= kernels.MAX_LINEAR_ROWS)
+        torch.testing.assert_close(got_k.double(), torch.bmm(q.double(), w_uk.double()), atol=tol, rtol=tol)
+        torch.testing.assert_close(got_v.double(), torch.bmm(latent.double(), w_uv.double().transpose(1, 2)),
+                                   atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5])
@@ -155,12 +161,14 @@ def test_indexed_products_equal_bmm_of_the_chosen_weights(rows, dtype, tol, monk
     experts, an id twice among them), read in place; an id outside the stack is an error, not a read past it."""
     gen = torch.Generator().manual_seed(0)
     stack = torch.randn(6, 40, 70, generator=gen).to(dtype)
-    x = torch.randn(4, rows, 70, generator=gen).to(dtype)
+    x_rows = torch.randn(4, rows, 70, generator=gen).to(dtype)
     ids = torch.tensor([5, 0, 3, 5])
     monkeypatch.setattr(kernels, "_loaded", True)
-    with torch.no_grad():
-        got = kernels.linear_indexed(x, stack, ids)
-    torch.testing.assert_close(got.double(), torch.bmm(x.double(), stack[ids].double().transpose(1, 2)),
-                               atol=tol, rtol=tol)
+    # the rows as given, and one token's rows repeated for each expert (a broadcast view, as moe.py passes them)
+    for x in (x_rows, x_rows[:1].expand(4, rows, 70)):
+        with torch.no_grad():
+            got = kernels.linear_indexed(x, stack, ids)
+        torch.testing.assert_close(got.double(), torch.bmm(x.double(), stack[ids].double().transpose(1, 2)),
+                                   atol=tol, rtol=tol)
     with pytest.raises(RuntimeError, match="index 6 outside the 6 weights"):
         torch.ops.seekforge.linear_rows_indexed(x, stack, torch.tensor([5, 0, 6, 1]))

@@ -145,19 +145,24 @@ at::Tensor latent_attention(const at::Tensor& q, const at::Tensor& latents, cons
               "latent_attention: contiguous latent rows, 0 < value_dim <= D");
   TORCH_CHECK(latents.scalar_type() == at::kFloat || latents.scalar_type() == at::kBFloat16,
               "latent_attention: fp32 or bf16 latents");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "latent_attention: fp32 or bf16 q");
   const int64_t B = q.size(0), M = q.size(1), D = q.size(2), S = latents.size(1), R = value_dim;
-  auto qf = q.to(at::kFloat).contiguous();
-  auto out = at::empty({B, M, R}, q.options().dtype(at::kFloat));
+  // q widened into this thread's buffer and the output summed in another (kept: a decode step makes a call a
+  // layer), then stored in q's dtype: no conversions as separate ops
+  thread_local std::vector<float> qf, of;
+  seekforge_vectors::widen_rows_any(q, B, M, D, qf);
+  of.resize(B * M * R);
   at::Tensor len;
   if (lengths.has_value()) len = lengths->to(at::kLong).contiguous();
   const int64_t* lp = len.defined() ? len.data_ptr<int64_t>() : nullptr;
   auto run = [&](auto* base) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(base)>>;
     const int64_t bs = latents.stride(0), rs = latents.stride(1);
-    const float* qp = qf.data_ptr<float>();
-    float* op = out.data_ptr<float>();
+    const float* qp = qf.data();
+    float* op = of.data();
     at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
-      std::vector<float> scores(M * S);
+      thread_local std::vector<float> scores;
+      scores.resize(M * S);
       for (int64_t b = b0; b < b1; ++b) {
         const int64_t s = lp ? std::min<int64_t>(lp[b], S) : S;
         one_sequence<T>(qp + b * M * D, base + b * bs, rs, M, s, D, R, (float)scale, scores.data(), op + b * M * R);
@@ -166,7 +171,14 @@ at::Tensor latent_attention(const at::Tensor& q, const at::Tensor& latents, cons
   };
   if (latents.scalar_type() == at::kBFloat16) run(latents.data_ptr<c10::BFloat16>());
   else run(latents.data_ptr<float>());
-  return out.to(q.scalar_type());
+  at::Tensor out = at::empty({B, M, R}, q.options());
+  auto store = [&](auto* dst) {
+    using T = std::remove_pointer_t<decltype(dst)>;
+    for (int64_t i = 0; i < B * M * R; ++i) dst[i] = static_cast<T>(of[i]);
+  };
+  if (q.scalar_type() == at::kBFloat16) store(out.data_ptr<c10::BFloat16>());
+  else store(out.data_ptr<float>());
+  return out;
 }
 
 }  // namespace

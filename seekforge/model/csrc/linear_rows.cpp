@@ -105,7 +105,7 @@ void column_chunk_any(int mb, const float* x, const T* w, int64_t K, int64_t ldw
   }
 }
 
-// The operands of a product: G groups of M query rows K wide (x, contiguous) against G weights of N rows K wide
+// The operands of a product: G groups of M query rows K wide (x: see widen_rows) against G weights of N rows K wide
 // (or, `transposed`, K rows N wide) with contiguous rows, the weights `group` values apart, or, given `index`, the
 // weights index[g] of a stack.
 struct Operands {
@@ -124,9 +124,7 @@ void run(const Operands& o, float* out) {
   // the query rows in fp32, in this thread's buffer (kept: a decode step makes ~100 of these calls); the workers
   // read it through `xs` (a thread_local named in the lambda would be each worker's own)
   thread_local std::vector<float> xf;
-  xf.resize(G * M * K);
-  const T* xp = o.x.data_ptr<T>();
-  for (int64_t i = 0; i < G * M * K; ++i) xf[i] = static_cast<float>(xp[i]);
+  seekforge_vectors::widen_rows_any(o.x, G, M, K, xf);
   const float* xs = xf.data();
   const T* wp = o.weight.data_ptr<T>();
   for (int64_t m0 = 0; m0 < M; m0 += 4) {
@@ -192,14 +190,14 @@ at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight, const c10:
   TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous() &&
                                     bias->scalar_type() == weight.scalar_type()),
               "linear_rows: bias must be a contiguous (N) vector of the weight's dtype");
-  const at::Tensor xc = x.contiguous();
   if (weight.dim() == 3) {
     TORCH_CHECK(x.dim() == 3 && x.size(0) == weight.size(0), "linear_rows: x must be (G, M, K) for a (G, N, K) weight");
-    return product({xc, weight, x.size(0), x.size(1), K, N, weight.stride(0)}, {x.size(0), x.size(1), N}, bias);
+    return product({x, weight, x.size(0), x.size(1), K, N, weight.stride(0)}, {x.size(0), x.size(1), N}, bias);
   }
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = N;
-  return product({xc, weight, 1, x.numel() / K, K, N, 0}, shape, bias);
+  // the rows as one group against the one weight (read once for every four rows): a view is copied first
+  return product({x.contiguous(), weight, 1, x.numel() / K, K, N, 0}, shape, bias);
 }
 
 // x (G, M, K) against the weights index[g] of a stack (E, N, K) with contiguous rows → (G, M, N): a decoding token
@@ -217,7 +215,7 @@ at::Tensor linear_rows_indexed(const at::Tensor& x, const at::Tensor& weight, co
   for (int64_t g = 0; g < ids.size(0); ++g)
     TORCH_CHECK(ip[g] >= 0 && ip[g] < weight.size(0), "linear_rows_indexed: index ", ip[g], " outside the ",
                 weight.size(0), " weights");
-  return product({x.contiguous(), weight, x.size(0), x.size(1), x.size(2), weight.size(1), weight.stride(0), false, ip},
+  return product({x, weight, x.size(0), x.size(1), x.size(2), weight.size(1), weight.stride(0), false, ip},
                  {x.size(0), x.size(1), weight.size(1)}, c10::nullopt);
 }
 
@@ -229,7 +227,7 @@ at::Tensor rows_times(const at::Tensor& x, const at::Tensor& weight) {
               "rows_times: x (G, M, K) and weight (G, K, N) expected");
   TORCH_CHECK(weight.stride(2) == 1 && weight.stride(1) == weight.size(2),
               "rows_times: the weight's rows must be contiguous");
-  return product({x.contiguous(), weight, x.size(0), x.size(1), x.size(2), weight.size(2), weight.stride(0), true},
+  return product({x, weight, x.size(0), x.size(1), x.size(2), weight.size(2), weight.stride(0), true},
                  {x.size(0), x.size(1), weight.size(2)}, c10::nullopt);
 }
 
