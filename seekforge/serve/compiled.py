@@ -96,6 +96,27 @@ def _own_copy(fn):
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
+def _free_variable(fn, name: str):
+    """The value of `name` in fn's closure, or None."""
+    code = getattr(fn, "__code__", None)
+    if code is None or name not in code.co_freevars:
+        return None
+    return fn.__closure__[code.co_freevars.index(name)].cell_contents
+
+
+def inductor_entry(compiled):
+    """The C++ function inductor generated for a graph that `compile_fx` compiled with cpp_wrapper: it takes the
+    graph's inputs as tensor handles and returns its outputs as handles. Found through the Python wrappers
+    around it (dynamo's frame switch, AOT's runtime wrapper, inductor's argument conversion); None where this
+    version of torch wraps it otherwise."""
+    graph = _free_variable(_free_variable(compiled, "fn"), "compiled_fn")  # dynamo's wrapper → AOT's
+    entry = _free_variable(getattr(graph, "current_callable", None), "f")  # inductor's wrapper → the C++
+    aoti = getattr(torch._C, "_aoti", None)
+    usable = all(hasattr(aoti, name) for name in ("unsafe_alloc_void_ptrs_from_tensors",
+                                                  "alloc_tensors_by_stealing_from_void_ptrs"))
+    return entry if callable(entry) and usable else None
+
+
 class DirectEntry:
     """A traced program's compiled graph, called without dynamo's entry (its frame hook, a prologue reading ~120
     parameters through module attributes, AOT's wrappers: ~0.3-0.5 ms a step, 10-15% of batch 1).
@@ -103,17 +124,39 @@ class DirectEntry:
     The graph's inputs are what dynamo recorded as their sources: the model's (`L['args'][0]._modules['norm']
     ._parameters['weight']`, a float of its config) are kept as dynamo passed them on the tracing call, being
     objects whose tensors change in place (a GRPO update, MasterWeights' swaps of `.data`); the step's own
-    (`L['args'][1]`, `L['args'][8][0].size()[1]`) are read on each call by one generated function."""
+    (`L['args'][1]`, `L['args'][8][0].size()[1]`) are read on each call by one generated function.
+
+    Where it can, it calls inductor's C++ function itself (`inductor_entry`), skipping the Python between it
+    and dynamo (AOT's runtime wrapper, inductor's conversion of every input: ~0.1 ms a step). That is the same
+    call when the graph updates the tensors it writes itself and takes the inputs dynamo passes, one for one:
+    so only where no two inputs share memory (else AOT would have merged or rebased them), and once it
+    returned what dynamo's entry did and wrote the rows the step writes (`matches`)."""
 
     def __init__(self, compiled, graphargs: list):
         sources = [arg.source.name for arg in graphargs]
         model = [i for i, source in enumerate(sources) if source.startswith("L['args'][0]")]
         if any(arg.pass_arg_as_tensor for i, arg in enumerate(graphargs) if i not in model):
             raise ValueError("a step input that dynamo converts")  # none of decode_rows' is: stay on dynamo's way
-        self.compiled, self.model = compiled, model
+        self.compiled, self.model, self.sources = compiled, model, sources
         self.constants: list | None = None  # the model's inputs, from the tracing call (`traced`)
-        fields = [f"C[{model.index(i)}]" if i in model else source for i, source in enumerate(sources)]
-        self.inputs = eval(f"lambda L, C: [{', '.join(fields)}]")  # noqa: S307 - the sources are dynamo's code
+        self.inputs = self._reader(set())
+        self.entry = None  # inductor's C++ function, once `matches` found it safe to call
+        self.scalars: dict[int, torch.Tensor] = {}  # integer inputs as the 0-d tensors the C++ function reads
+
+    def _reader(self, scalars: set[int]):
+        """One generated function: the step's arguments → the graph's inputs, the integers among them (positions
+        `scalars`) as tensors."""
+        fields = [f"C[{self.model.index(i)}]" if i in self.model else
+                  f"S({source})" if i in scalars else source for i, source in enumerate(self.sources)]
+        return eval(f"lambda L, C, S: [{', '.join(fields)}]")  # noqa: S307 - the sources are dynamo's code
+
+    def scalar(self, value: int) -> torch.Tensor:
+        tensor = self.scalars.get(value)
+        if tensor is None:
+            if len(self.scalars) > 4096:  # context lengths: bounded by the model's, kept from growing regardless
+                self.scalars.clear()
+            tensor = self.scalars[value] = torch.tensor(value)
+        return tensor
 
     def traced(self, *inputs):
         """Dynamo's call of the compiled graph: keep the model's inputs as it passed them."""
@@ -121,19 +164,54 @@ class DirectEntry:
         return self.compiled(*inputs)
 
     def __call__(self, args: tuple) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.compiled(*self.inputs({"args": args}, self.constants))
+        inputs = self.inputs({"args": args}, self.constants, self.scalar)
+        if self.entry is None:
+            out = self.compiled(*inputs)
+        else:
+            aoti = torch._C._aoti
+            out = aoti.alloc_tensors_by_stealing_from_void_ptrs(self.entry(aoti.unsafe_alloc_void_ptrs_from_tensors(
+                inputs)))
         return out[0], out[1]
 
-    def matches(self, args: tuple, expected: tuple[torch.Tensor, torch.Tensor]) -> bool:
-        """Does this entry return what dynamo's entry just returned for `args`? A step run twice is the same step
-        (it writes the same latents to the same slots before reading them). Checked once, after tracing."""
+    def matches(self, args: tuple, expected: tuple[torch.Tensor, torch.Tensor],
+                written: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        """Does this entry return what dynamo's entry just returned for `args`, and write the rows the step writes
+        (`written`: (rows, index) pairs)? A step run twice is the same step (it writes the same latents to the
+        same slots before reading them); the written rows are zeroed first, so that only the call checked can
+        have written them. Checked once, after tracing: calling inductor's function itself, else dynamo's graph."""
         if self.constants is None:
             return False
+        inputs = self.inputs({"args": args}, self.constants, self.scalar)
+        tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
+        scalars = {i for i, value in enumerate(inputs) if isinstance(value, int)}
+        # AOT merges an input passed twice and rebases inputs that share memory with one the graph writes: its
+        # graph then takes other inputs than dynamo's, which only its own wrapper passes right
+        storages = [t.untyped_storage().data_ptr() for t in tensors]
+        one_for_one = len({id(t) for t in tensors}) == len(tensors) and all(
+            storages.count(rows.untyped_storage().data_ptr()) == 1 for rows, _ in written)
+        entry = inductor_entry(self.compiled) if one_for_one else None
+        saved = [rows[index].clone() for rows, index in written]
+        if entry is not None:
+            self.entry, self.inputs = entry, self._reader(scalars)
+            if self._same(args, expected, written, saved):
+                return True
+        self.entry, self.inputs = None, self._reader(set())
+        return self._same(args, expected, written, saved)
+
+    def _same(self, args, expected, written, saved) -> bool:
+        """Run the step through this entry (its written rows zeroed first): its outputs and the rows as expected?
+        The rows are left as the step wrote them either way."""
+        for rows, index in written:
+            rows[index] = 0
         try:
             out = self(args)
-        except Exception:  # noqa: BLE001 - inputs read wrongly: dynamo's entry stays the way in
-            return False
-        return all(torch.equal(a, b) for a, b in zip(out, expected, strict=True))
+        except Exception:  # noqa: BLE001 - inputs read wrongly: another way in
+            out = None
+        same = out is not None and all(torch.equal(a, b) for a, b in zip(out, expected, strict=True)) and all(
+            torch.equal(rows[index], want) for (rows, index), want in zip(written, saved, strict=True))
+        for (rows, index), want in zip(written, saved, strict=True):
+            rows[index] = want
+        return same
 
 
 class CompiledDecode:
@@ -207,9 +285,17 @@ class CompiledDecode:
             out = self.programs[program](*args)
         self.traced.add(program)
         entry = self.entries.get(program)
-        if entry is not None and not entry.matches(args, out):
+        if entry is not None and not entry.matches(args, out, self._written(slots, write_index, dense)):
             del self.entries[program]  # reads its inputs otherwise than dynamo does: keep dynamo's entry
         return out
+
+    def _written(self, slots, write_index, dense) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The rows a step writes, as (rows, index): its latents' pool slots and dense rows, every layer's."""
+        written = []
+        for cache, d in zip(self.caches, dense, strict=True):
+            written += [(cache.c_kv.view(-1, cache.c_kv.shape[-1]), slots),
+                        (cache.k_pe.view(-1, cache.k_pe.shape[-1]), slots), (d.view(-1, d.shape[-1]), write_index)]
+        return written
 
     def _backend(self, program: str):
         """torch.compile's backend for `program`: inductor, the step's kernels called from generated C++

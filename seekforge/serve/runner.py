@@ -268,12 +268,13 @@ class Runner:
         speculative verify, which takes the hidden states alone, leaves a compiled step's logits unused)."""
         ids, positions, metadata, rows = self.prepare(chunks, dense=True)
         if self.compiled is not None and self.compiled.applies(ids, metadata):
-            hidden, logits = self.compiled(ids, positions, metadata)
+            hidden, logits = self.compiled(ids, positions, metadata)  # our kernels: no matmul switch to set
             return hidden, rows, logits
         for cache in self.caches:
             cache.metadata = metadata
         try:
-            hidden, _, _ = self.model.hidden(ids, positions=positions, kv_caches=self.caches)  # (1, T, H)
+            with self._kernels(ids.shape[1]):
+                hidden, _, _ = self.model.hidden(ids, positions=positions, kv_caches=self.caches)  # (1, T, H)
         finally:
             self._clear_lora()
         return hidden[0], rows, None
@@ -318,12 +319,12 @@ class Runner:
     def execute(self, chunks: list[Chunk], head_rows: list[int]) -> torch.Tensor:
         """The main model over `chunks`, then the head on flat rows `head_rows` → fp32 logits (R, V).
         The seam serve/distributed.py's ShardedRunner mirrors on the other ranks of a TP group."""
-        with self._kernels(sum(len(c.token_ids) for c in chunks)):
-            hidden, _, logits = self._forward(chunks)
-            if logits is not None and head_rows == list(range(len(logits))):  # a plain decode step: every row
-                return logits
-            if not head_rows:
-                return hidden.new_empty(0, self.model.cfg.vocab_size).float()
+        hidden, _, logits = self._forward(chunks)
+        if logits is not None and head_rows == list(range(logits.shape[0])):  # a plain decode step: every row
+            return logits
+        if not head_rows:
+            return hidden.new_empty(0, self.model.cfg.vocab_size).float()
+        with self._kernels(hidden.shape[0]):
             return self.logits(hidden[head_rows])
 
     def _kernels(self, num_tokens: int):

@@ -102,6 +102,38 @@ def test_programs_are_entered_directly_and_see_weights_changed_in_place(compiled
     assert len(compiled_calls) == 2 * 13
 
 
+def test_inductors_function_is_called_directly_once_checked(compiled_llm, monkeypatch):
+    """DirectEntry calls inductor's C++ function itself once that call returned what dynamo's entry did and wrote
+    the rows the step writes (pool slots, dense rows); a call that gets either wrong goes through AOT's wrapper."""
+    compiled = compiled_llm.engine.runner.compiled
+    steps = []
+    run = CompiledDecode._run
+    monkeypatch.setattr(CompiledDecode, "_run", lambda self, *a: steps.append(a) or run(self, *a))
+    compiled_llm.generate([list(range(5, 20))], greedy(3))
+    program, ids, positions, slots, write_index, context_len, mask, dense = steps[-1]
+    entry = compiled.entries[program]
+    assert entry.entry is not None
+    pools = [(c.c_kv, c.k_pe) for c in compiled.caches]
+    args = (compiled.model, ids, positions, slots, write_index, context_len, mask, pools, dense)
+    written = compiled._written(slots, write_index, dense)
+    with torch.inference_mode():
+        expected = entry(args)
+        real = compiled_module.inductor_entry(entry.compiled)
+
+        def forgetful(handles):  # the outputs right, the step's rows left unwritten
+            out = real(handles)
+            for rows, index in written:
+                rows[index] = 0
+            return out
+
+        for wrong in (lambda handles: real(handles)[::-1], forgetful):
+            monkeypatch.setattr(compiled_module, "inductor_entry", lambda compiled, wrong=wrong: wrong)
+            assert entry.matches(args, expected, written) and entry.entry is None
+        monkeypatch.setattr(compiled_module, "inductor_entry", lambda compiled: real)
+        assert entry.matches(args, expected, written) and entry.entry is real
+        assert all(torch.equal(a, b) for a, b in zip(entry(args), expected, strict=True))
+
+
 def test_unsupported_configs_decode_eagerly(tiny_model):
     assert "int8" in CompiledDecode.supports(tiny_model, EngineConfig(kv_cache_dtype="int8"))
     assert "LoRA" in CompiledDecode.supports(tiny_model, EngineConfig(enable_lora=True))
