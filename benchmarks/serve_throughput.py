@@ -11,7 +11,7 @@
    single-sequence `generate` for scale, and the weight-streaming bound: the bytes of weights one
    token reads (active parameters: K of the E routed experts, one embedding row) ÷ the bandwidth a
    one-row linear layer streams from a weight as large as the model's weights (machine.py), probed right
-   after each of three engine trials; the engine / bound ratio is the median of the three.
+   after each of `--bound-rounds` engine trials (7); the engine / bound ratio is the median of their ratios.
 3. Shared-prefix workload: N requests = one long common prefix + a short unique suffix, after one
    warm-up request; seekforge with prefix caching on vs off.
 
@@ -56,6 +56,11 @@ def hf_generate(hf, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
                            min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)[:, prompts.shape[1]:]
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many tokens two outputs share before they first differ."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
 def timed(fn):
     start = time.perf_counter()
     out = fn()
@@ -71,13 +76,19 @@ def main():
     p.add_argument("--prefix-len", type=int, default=448, help="shared-prefix workload: common prefix")
     p.add_argument("--suffix-len", type=int, default=64, help="shared-prefix workload: unique suffix")
     p.add_argument("--prefix-new-tokens", type=int, default=16)
-    p.add_argument("--threads", type=int, default=1, help="torch threads (1: the shared 2-core box thrashes with 2)")
+    p.add_argument("--bound-rounds", type=int, default=7,
+                   help="batch-1 trials, each followed by a bandwidth probe: the engine / bound ratio is their median")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads, for both systems and the bound's probe (default 1: one core each; "
+                        "benchmarks/serve_peers.py runs every engine on all cores)")
     p.add_argument("--skip-hf", action="store_true", help="seekforge numbers only")
     p.add_argument("--eager", action="store_true",
                    help="the engine without EngineConfig.compile (by default its decode steps run "
                         "compiled, and the eager engine's batch-1 time is printed beside them)")
     dtype_arg(p)
     args = p.parse_args()
+    if args.bound_rounds < 1:
+        p.error(f"--bound-rounds {args.bound_rounds}: give at least 1 (each round is a batch-1 trial and a probe)")
     torch.set_num_threads(args.threads)
     dtype, _ = machine_header(args.dtype, hidden_size=preset(args.preset).hidden_size)
     # The peer gets the same weights, its logits checked in fp32 before it is cast to the measured dtype;
@@ -110,9 +121,14 @@ def main():
         assert hf_out.shape == (n, new)
         hf_tps = n * new / t_hf
         same = sum(o.outputs[0].token_ids == h.tolist() for o, h in zip(outs, hf_out, strict=True))
+        differ = [common_prefix(o.outputs[0].token_ids, h.tolist()) for o, h in zip(outs, hf_out, strict=True)
+                  if o.outputs[0].token_ids != h.tolist()]
         print(f"[throughput] transformers     : {t_hf:7.2f} s  {hf_tps:8.1f} new tok/s")
         print(f"[throughput] ratio seekforge / transformers = {sf_tps / hf_tps:.2f}x "
-              f"(greedy outputs identical for {same}/{n} requests)")
+              f"(greedy outputs identical for {same}/{n} requests" + (
+                  f"; the others agree up to token {statistics.median(differ):.0f} of {new} (median): the random "
+                  f"weights' logits have near-ties, which {str(dtype).removeprefix('torch.')} rounding in another "
+                  "order of summation flips" if differ else "") + ")")
 
     # -- 2. single-request decode latency (best of 3: the box is shared, the minimum is the least noisy)
     one = prompts[:1]
@@ -142,22 +158,23 @@ def main():
         hf_ms = per_token_ms(lambda: hf_generate(hf, one, 1), lambda: hf_generate(hf, one, new))
         print(f"[latency] transformers          : {hf_ms:6.2f} ms/token")
         print(f"[latency] ratio seekforge / transformers = {sf_ms / hf_ms:.2f} (lower is better)")
-    # The bound, probed right after each of three more engine trials: this machine's speed drifts by ±25% over
-    # minutes, so each trial is set against the bandwidth of its moment, and the median of the ratios printed.
+    # The bound, probed right after each of --bound-rounds more engine trials: this machine's bandwidth moves by
+    # ±25% within seconds, so each trial is set against the bandwidth of its moment; the median ratio is printed.
     active = weight_bytes_per_token(model.cfg, dtype)
     total = sum(p.nbytes for p in model.parameters())
     rounds = []
-    for _ in range(3):
+    for _ in range(args.bound_rounds):
         ms = engine_ms(llm, trials=1)
         rounds.append((ms, measure_stream_bandwidth(total, dtype, seconds=0.5)))
-    ratios = sorted(ms / (1000 * active / bandwidth) for ms, bandwidth in rounds)
+    ratios = [ms / (1000 * active / bandwidth) for ms, bandwidth in rounds]
     bandwidth = statistics.median(b for _, b in rounds)
     bound_ms = 1000 * active / bandwidth
     print(f"[latency] weight-streaming bound: {active / 1e6:.1f} MB of weights per token / {bandwidth / 1e9:.1f} GB/s "
-          f"(one-row linear over {total / 1e6:.0f} MB, {str(dtype).removeprefix('torch.')}; median of 3 probes) = "
-          f"{bound_ms:.2f} ms/token")
-    print(f"[latency] seekforge engine / bound = {ratios[1]:.2f}x (target <= 1.5; median of 3 trials, each against "
-          f"the bandwidth probed right after it: {', '.join(f'{ms:.2f} ms / {b / 1e9:.1f} GB/s' for ms, b in rounds)})")
+          f"(one-row linear over {total / 1e6:.0f} MB, {str(dtype).removeprefix('torch.')}; median of "
+          f"{len(rounds)} probes) = {bound_ms:.2f} ms/token")
+    print(f"[latency] seekforge engine / bound = {statistics.median(ratios):.2f}x (target <= 1.5; median of "
+          f"{len(rounds)} trials, each against the bandwidth probed right after it; {min(ratios):.2f}-"
+          f"{max(ratios):.2f}x: {', '.join(f'{ms:.2f} ms / {b / 1e9:.1f} GB/s' for ms, b in rounds)})")
 
     # -- 3. shared-prefix workload --------------------------------------------------------------
     prefix = torch.randint(0, vocab, (args.prefix_len,), generator=g).tolist()
