@@ -151,6 +151,8 @@ class DirectEntry:
         return eval(f"lambda L, C, S: [{', '.join(fields)}]")  # noqa: S307 - the sources are dynamo's code
 
     def scalar(self, value: int) -> torch.Tensor:
+        """An integer input (a context length) as the 0-d tensor inductor's C++ function reads, made once per value:
+        a `torch.tensor` each step was one of the per-step costs this entry removes."""
         tensor = self.scalars.get(value)
         if tensor is None:
             if len(self.scalars) > 4096:  # context lengths: bounded by the model's, kept from growing regardless
