@@ -1,6 +1,7 @@
 """Serving throughput: seekforge engine vs transformers `generate`, same weights, same run.
 
     python benchmarks/serve_throughput.py            # small preset, 64 x (128 prompt + 128 new)
+    python benchmarks/serve_throughput.py --skip-hf --set hidden_size=1024 --set num_hidden_layers=8   # a larger model
 
 1. Batch throughput: N requests of P random prompt tokens, G new tokens each (ignore_eos, so every
    request generates exactly G), greedy. seekforge: `LLM.generate` (continuous batching, paged latent
@@ -33,6 +34,7 @@ from seekforge.model.model import build_model
 from seekforge.model.tokenizer import load_tokenizer
 from seekforge.serve.engine import LLM
 from seekforge.serve.sequence import SamplingParams
+from seekforge.train.config_file import parse_overrides
 
 
 def hf_peer(model):
@@ -70,6 +72,8 @@ def timed(fn):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="small")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="a ModelConfig key over the preset's, e.g. --set num_hidden_layers=12 (repeatable)")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)
@@ -89,19 +93,24 @@ def main():
     args = p.parse_args()
     if args.bound_rounds < 1:
         p.error(f"--bound-rounds {args.bound_rounds}: give at least 1 (each round is a batch-1 trial and a probe)")
+    try:
+        cfg = preset(args.preset, **parse_overrides(args.overrides))
+    except (TypeError, ValueError) as e:
+        p.error(f"--preset {args.preset} with --set {args.overrides}: {e}")
     torch.set_num_threads(args.threads)
-    dtype, _ = machine_header(args.dtype, hidden_size=preset(args.preset).hidden_size)
+    dtype, _ = machine_header(args.dtype, hidden_size=cfg.hidden_size)
     # The peer gets the same weights, its logits checked in fp32 before it is cast to the measured dtype;
     # build_model keeps the routers in fp32, as the official checkpoints do.
-    hf = None if args.skip_hf else hf_peer(build_model(preset(args.preset), seed=0).eval()).to(dtype)
-    model = build_model(preset(args.preset), seed=0, dtype=dtype).eval()
+    hf = None if args.skip_hf else hf_peer(build_model(cfg, seed=0).eval()).to(dtype)
+    model = build_model(cfg, seed=0, dtype=dtype).eval()
     tok = load_tokenizer("byte")
     vocab = model.cfg.vocab_size
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, vocab, (args.num_requests, args.prompt_len), generator=g)
     n, new = args.num_requests, args.new_tokens
     params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
-    print(f"preset={args.preset} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, "
+    print(f"preset={' '.join([args.preset, *args.overrides])} "
+          f"({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, "
           f"{str(dtype).removeprefix('torch.')}), "
           f"threads={torch.get_num_threads()}, {n} requests x ({args.prompt_len} prompt + {new} new tokens)")
 
