@@ -336,7 +336,11 @@ class Runner:
         """Multi-step decoding: `num_steps` decode steps for `seqs` (each with only its last token not yet
         computed, and blocks for num_steps tokens from there), sampling on the model side: each step's
         ids (B,) = draw(logits (B, V)) feed the next step as tensors, and the metadata advances by
-        tensor ops, so no per-sequence Python runs between steps. → per step (ids (B,), logits (B, V))."""
+        tensor ops, so no per-sequence Python runs between steps. → per step (ids (B,), logits (B, V)).
+        With compiled steps each step is a plain step's `execute` instead (the compiled program, whose dense rows
+        carry over from step to step): the eager model over the pool would cost more than the Python it saves."""
+        if self.compiled is not None:
+            return self._executed_steps(seqs, num_steps, draw)
         bs, to, b = self.block_size, self.device, len(seqs)
         self.dense_rows.invalidate()  # these steps write the pool only
         width = max(len(s.block_table) for s in seqs)
@@ -362,6 +366,17 @@ class Runner:
             ids = draw(logits)
             steps.append((ids, logits))
             pos = pos + 1
+        return steps
+
+    def _executed_steps(self, seqs: list[Sequence], num_steps: int, draw) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """decode_steps as `num_steps` plain decode steps, each sampled token the next step's input."""
+        tokens, rows, steps = [s.token_ids[-1] for s in seqs], list(range(len(seqs))), []
+        for k in range(num_steps):
+            chunks = [Chunk(s, s.num_tokens - 1 + k, [t], decode=True) for s, t in zip(seqs, tokens, strict=True)]
+            logits = self.execute(chunks, rows)
+            ids = draw(logits)
+            steps.append((ids, logits))
+            tokens = ids.tolist()
         return steps
 
     def logits(self, hidden: torch.Tensor, norm=None) -> torch.Tensor:

@@ -73,6 +73,30 @@ def test_batched_compiled_steps_equal_eager(compiled_llm, tiny_model, byte_token
     assert len(compiled_calls) == 29
 
 
+def test_multi_step_scheduling_runs_the_compiled_steps(compiled_llm, tiny_model, byte_tokenizer, compiled_calls,
+                                                       monkeypatch):
+    """num_scheduler_steps N with compile: each of the N steps is the compiled program (the eager model over the
+    pool would be slower than N single steps), so tokens and logprobs are the compiled single steps'."""
+    from seekforge.model.model import Transformer
+
+    multi = LLM(tiny_model, byte_tokenizer, block_size=8, num_kv_blocks=256, compile=True, num_scheduler_steps=4)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (9, 21)]
+    params = [greedy(13), greedy(30)]
+    want = compiled_llm.generate(prompts, params)
+    single = len(compiled_calls)
+    eager_rows = []
+    hidden = Transformer.hidden
+    monkeypatch.setattr(Transformer, "hidden", lambda self, ids, **kw: eager_rows.append(ids.shape[1]) or hidden(
+        self, ids, **kw))
+    got = multi.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(logprobs(a.outputs[0]), logprobs(b.outputs[0]), rtol=0, atol=1e-6)
+    assert eager_rows == [9 + 21]  # the eager model prefilled; every decode step ran compiled
+    assert len(compiled_calls) - single >= single  # and the N steps past the first sequence's last token too
+
+
 def test_programs_are_entered_directly_and_see_weights_changed_in_place(compiled_llm, tiny_model, byte_tokenizer,
                                                                         compiled_calls):
     """Each program runs its compiled graph without dynamo's entry (DirectEntry), and reads the model's weights
