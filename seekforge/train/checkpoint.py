@@ -261,12 +261,19 @@ def step_dirs(ckpt_root: Path) -> list[Path]:
 def latest_checkpoint(ckpt_root: str | Path, fallback: bool = True, verify: bool = True) -> Path | None:
     """The checkpoint to resume from: the one `latest` names, checked against its manifest; None when
     there is none yet. A damaged one raises CorruptFileError (file and reason) when fallback=False;
-    with fallback=True the newest intact older checkpoint is returned with one warning line."""
+    with fallback=True the newest intact older checkpoint is returned with one warning line. Without a
+    `latest` file (lost, or deleted by hand) the newest step_* directory stands for it, with a warning:
+    a run is never taken for a fresh one while checkpoints of it exist."""
     ckpt_root = Path(ckpt_root)
     pointer = ckpt_root / "latest"
-    if not pointer.exists():
-        return None
-    named = ckpt_root / pointer.read_text().strip()
+    if pointer.exists():
+        named = ckpt_root / pointer.read_text().strip()
+    else:
+        steps = step_dirs(ckpt_root) if ckpt_root.is_dir() else []
+        if not steps:
+            return None
+        named = steps[0]
+        _warn(f"{pointer} is missing; taking the newest checkpoint directory, {named.name}, for it")
     if not verify:
         return named
     if not _STEP_DIR.match(named.name):

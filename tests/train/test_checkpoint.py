@@ -36,6 +36,31 @@ def test_resume_is_bitwise_exact(tmp_path, make_loader):
         assert torch.equal(a.gate.e_score_correction_bias, b.gate.e_score_correction_bias)
 
 
+def test_resume_follows_the_resumed_runs_schedule(tmp_path, make_loader):
+    """A resume that changes the schedule (a longer run, another peak lr) takes it from the step reached: no lr of
+    the saved run's schedule carries over (its optimizer's next lr, its scheduler's peak)."""
+    from seekforge.train.optim import lr_at
+
+    cfg = tiny_train_config(tmp_path, steps=4, lr=2e-3)
+    Trainer(cfg, build_model(cfg.model_config(), seed=0), make_loader(cfg)).fit()
+    longer = tiny_train_config(tmp_path, steps=10, lr=1e-3)
+    resumed = Trainer(longer, build_model(longer.model_config(), seed=0), make_loader(longer))
+    assert resumed.resume() and resumed.step == 4
+    lrs = [m["lr"] for m in resumed.fit()]
+    assert lrs == pytest.approx([lr_at(step, longer) for step in range(4, 10)], rel=1e-12)
+
+
+def test_a_missing_latest_file_resumes_from_the_newest_step(tmp_path, capsys):
+    _, model, optimizer, scheduler = _tiny_state(tmp_path)
+    root = tmp_path / "checkpoints"
+    for step in (1, 2):
+        save_checkpoint(root, step, model, optimizer, scheduler)
+    (root / "latest").unlink()
+    assert latest_checkpoint(root) == root / "step_000002"
+    assert "latest is missing" in capsys.readouterr().err
+    assert latest_checkpoint(tmp_path / "elsewhere") is None
+
+
 def _tiny_state(tmp_path):
     cfg = tiny_train_config(tmp_path)
     model = build_model(cfg.model_config(), seed=0)
