@@ -64,6 +64,10 @@ def main(argv: list[str] | None = None) -> None:
     args = verb_parser.parse_args(argv[1:])
     try:
         module.run(args)
+    except KeyboardInterrupt:  # Ctrl-C: one line (and how to go on, where the verb says), not a traceback
+        hint = getattr(module, "ON_INTERRUPT", "")
+        print(f"\nseekforge {argv[0]}: interrupted{'; ' + hint if hint else ''}", file=sys.stderr)
+        sys.exit(130)
     except ValueError as e:
         if not is_user_error(e):
             raise  # a bug (or a library failure nobody translated): the traceback is what helps

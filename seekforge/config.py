@@ -519,8 +519,10 @@ class TrainConfig:
         for key in ("warmup", "log_interval", "eval_interval", "save_interval"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 0:
                 bad(key, "must be an integer >= 0")
-        if not 0 < self.lr or not 0 <= self.min_lr <= self.lr:
-            bad("min_lr", f"need 0 <= min_lr <= lr={self.lr} and lr > 0")
+        if not 0 < self.lr:
+            bad("lr", "must be > 0 (the peak learning rate, e.g. 3e-3)")
+        if not 0 <= self.min_lr <= self.lr:
+            bad("min_lr", f"need 0 <= min_lr <= lr={self.lr}")
         if self.schedule not in ("cosine", "wsd"):
             bad("schedule", "use 'cosine' or 'wsd'")
         if not 0 < self.decay_fraction <= 1:

@@ -32,6 +32,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from seekforge.config import ModelConfig, parse_bytes
+from seekforge.errors import UserError
 from seekforge.model.model import Transformer, build_model
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -148,6 +149,19 @@ def is_fp8_linear(hf: str) -> bool:
 
 
 # ------------------------------------------------------------------------------- load
+def refuse_compressed(path: Path) -> None:
+    """A compressed-tensors checkpoint (`seekforge quantize`, llm-compressor) holds integer weights and scales that
+    only the quantized loaders read (serve, eval): say so, rather than name a tensor with "no place" in the model."""
+    try:
+        quant = json.loads((path / "config.json").read_text()).get("quantization_config") or {}
+    except (OSError, ValueError, AttributeError):
+        return  # from_hf has read it already; anything odd is its to report
+    if quant.get("quant_method") == "compressed-tensors":
+        raise UserError(f"{path} is a quantized (compressed-tensors) checkpoint, which this command does not load: "
+                        f"serve it (seekforge serve --model {path}) or evaluate it (seekforge eval --model {path}); "
+                        "for this command, use the checkpoint it was quantized from")
+
+
 def load_hf(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> Transformer:
     """Load an HF DeepSeek-V3 checkpoint directory (bf16, fp32 or official FP8) into a Transformer.
 
@@ -157,6 +171,7 @@ def load_hf(path: str | Path, device: str | torch.device = "cpu", dtype: torch.d
     """
     path = Path(path)
     cfg = ModelConfig.from_hf(path)
+    refuse_compressed(path)
     files, indexed = shard_files(path)
     where = tensor_files(files)
     cfg = drop_absent_mtp(cfg, where)

@@ -14,14 +14,15 @@ from seekforge.model.model import build_model
 from seekforge.model.tokenizer import load_tokenizer
 
 
-def load_model(name_or_path: str, dtype=torch.float32, device="cpu"):
-    """A preset name (random weights, byte tokenizer) or an HF-format checkpoint directory."""
+def load_model(name_or_path: str, dtype=torch.float32, device="cpu", flag: str = "--model"):
+    """A preset name (random weights, byte tokenizer) or an HF-format checkpoint directory; `flag` names the
+    command-line option it came from, for the error."""
     if name_or_path in PRESETS:
         tokenizer = load_tokenizer("byte")
         return build_model(preset(name_or_path), device, dtype).eval(), tokenizer
     path = Path(name_or_path)
     if not path.is_dir():
-        raise ValueError(f"--model {name_or_path!r} is neither a preset ({', '.join(PRESETS)}) "
+        raise ValueError(f"{flag} {name_or_path!r} is neither a preset ({', '.join(PRESETS)}) "
                          "nor a checkpoint directory")
     model = load_hf(path, device=device, dtype=dtype).eval()
     has_hf_tokenizer = (path / "tokenizer.json").exists()

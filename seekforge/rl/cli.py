@@ -40,6 +40,9 @@ _FLAGS = [
 _DEFAULTS = GRPOConfig()
 
 
+ON_INTERRUPT = "rerun the same command to resume from the run's last checkpoint"
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = (
         "GRPO post-training. Settings: GRPOConfig defaults, then --config (YAML/TOML of GRPOConfig "
@@ -121,7 +124,7 @@ def _grpo(cfg: GRPOConfig) -> None:
         base = str(prepare_base(cfg, load_tokenizer(cfg.tokenizer), out_dir / "base"))
         say(f"base model ready in {time.perf_counter() - start:.0f}s: {base}")
     device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
-    policy, tokenizer = load_model(base, torch.float32, device)
+    policy, tokenizer = load_model(base, torch.float32, device, flag="--base")
     reference = copy.deepcopy(policy) if cfg.beta > 0 else None
     trainer = GRPOTrainer(cfg, policy, tokenizer, reference, out_dir)
     latest = latest_checkpoint(out_dir / "checkpoints", cfg.checkpoint_fallback) if cfg.resume else None

@@ -8,6 +8,7 @@ and the run prepares its own base checkpoint).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -123,6 +124,9 @@ class GRPOConfig:
             bad("loss_type", f"choose one of {LOSS_TYPES}")
         if not set(self.task_levels) <= {1, 2, 3} or not self.task_levels:
             bad("task_levels", "pick a non-empty subset of [1, 2, 3]")
+        if not all(isinstance(w, int | float) and not isinstance(w, bool) and math.isfinite(w)
+                   for w in self.reward_weights):
+            bad("reward_weights", f"give numbers, one per reward (got {self.reward_weights})")
         if len(self.reward_weights) != len(self.rewards) or not self.rewards:
             bad("reward_weights", f"give one weight per reward ({len(self.rewards)} rewards: {self.rewards})")
         for spec in self.rewards:

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from seekforge.model.model import Transformer
+from seekforge.quant.linear import QuantLinear
 
 _KEY = re.compile(r"^base_model\.model\.model\.(layers\.\d+\..+)\.lora_([AB])(?:\.[^.]+)?\.weight$")
 _ids = itertools.count(1)
@@ -69,6 +70,9 @@ def load_adapter(name: str, path: str, model: Transformer) -> LoRAAdapter:
     for key, tensor in load_file(root / "adapter_model.safetensors").items():
         match = _KEY.match(key)
         module = match and match[1]
+        if isinstance(linears.get(module), QuantLinear):
+            raise ValueError(f"LoRA {name!r}: {module} is quantized in this checkpoint; adapters are served over "
+                             "full-precision weights only: serve the checkpoint this one was quantized from")
         if module is None or not isinstance(linears.get(module), nn.Linear):
             raise ValueError(f"LoRA {name!r}: weight {key!r} targets no linear of this model; adapters must "
                              "target q_proj/q_a_proj/q_b_proj/kv_a_proj_with_mqa/kv_b_proj/o_proj or dense/"

@@ -46,6 +46,9 @@ DEFAULT_RUN_MODEL = dict(hidden_size=192, num_hidden_layers=4, intermediate_size
 DEFAULT_RUN = dict(steps=300, schedule="wsd", lr=4e-3, min_lr=2e-4, warmup=20)
 
 
+ON_INTERRUPT = "rerun the same command to resume from the run's last checkpoint (--set save_interval=N: how often)"
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = (
         "Pretrain a DeepSeek-V3-architecture model. Settings come from TrainConfig defaults, then "
@@ -61,8 +64,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"model preset: tiny | small | v2-lite | v3-671b (default: {_DEFAULTS.preset})")
     p.add_argument("--name", default=argparse.SUPPRESS, help="run name: same as --out-dir runs/NAME")
     for flag, field, kind, text in _FLAGS:
+        default = getattr(_DEFAULTS, field)
+        plain = DEFAULT_RUN.get(field, default)  # the run without --config or --preset
         p.add_argument(flag, dest=field, type=kind, default=argparse.SUPPRESS,
-                       help=f"{text} (default: {getattr(_DEFAULTS, field)})")
+                       help=f"{text} (default: {plain}" + (f"; {default} with --config or --preset)"
+                                                            if plain != default else ")"))
     p.add_argument("--parallel", default=argparse.SUPPRESS, metavar="KEY=VALUE,...",
                    help="layout under torchrun: ParallelConfig keys, e.g. dp_shard=2,tp=2,ep=2 (world size = "
                         "pp·dp_replicate·dp_shard·tp); default under torchrun: dp_shard=WORLD_SIZE")

@@ -20,15 +20,25 @@ from seekforge.config import ModelConfig
 
 
 def resolve_checkpoint(source: str | Path) -> Path:
-    """A step_* dir, a checkpoints/ dir, or a run dir → the DCP checkpoint directory."""
-    from seekforge.train.checkpoint import latest_checkpoint
+    """A step_* dir, a checkpoints/ dir, or a run dir → the DCP checkpoint directory, checked against its
+    manifest (a damaged step_* directory raises CorruptFileError; a run falls back as a resume does)."""
+    from seekforge.errors import CorruptFileError
+    from seekforge.train import integrity
+    from seekforge.train.checkpoint import latest_checkpoint, step_dirs
 
     source = Path(source)
-    if (source / ".metadata").exists():
+    if (source / ".metadata").exists() or (source / integrity.MANIFEST).exists():
+        verdict = integrity.verify(source)
+        if not verdict.usable:
+            raise CorruptFileError(verdict.file, verdict.reason, f"checkpoint {source.name} is damaged; convert an "
+                                   f"intact one (`seekforge checkpoint verify {source.parent.parent}` lists them)")
         return source
     for root in (source, source / "checkpoints"):
-        if (root / "latest").exists():
-            return latest_checkpoint(root)
+        if (root / "latest").exists() or (root.is_dir() and step_dirs(root)):
+            try:
+                return latest_checkpoint(root)
+            except CorruptFileError as e:  # its fix names pretrain's flags
+                raise CorruptFileError(e.path, e.reason, f"no intact checkpoint to convert under {root}") from None
     raise ValueError(f"{source} holds no DCP checkpoint: pass a step_* directory, a checkpoints/ "
                      "directory with a `latest` file, or a run directory")
 
@@ -54,10 +64,19 @@ def dcp_to_hf(source: str | Path, hf_dir: str | Path, dtype: torch.dtype | None 
 
 def hf_to_dcp(hf_dir: str | Path, out_dir: str | Path) -> Path:
     from seekforge.model.hf import load_hf
-    from seekforge.train.checkpoint import save_checkpoint
+    from seekforge.train.checkpoint import save_checkpoint, step_dirs
 
+    out_dir = Path(out_dir)
+    if _is_hf_dir(out_dir):
+        raise ValueError(f"{out_dir} is an HF directory; from an HF source, DEST is a run directory to write "
+                         "checkpoints/step_000000 into: pass a new directory")
+    existing = step_dirs(out_dir / "checkpoints") if (out_dir / "checkpoints").is_dir() else []
+    if existing:  # the save below keeps one checkpoint: it would delete a run's own
+        raise ValueError(f"{out_dir} already holds training checkpoints ({', '.join(p.name for p in existing[:3])}"
+                         f"{', …' if len(existing) > 3 else ''}), which this conversion would replace; pass a new "
+                         "run directory")
     model = load_hf(hf_dir, device="cpu", dtype=torch.float32)  # training keeps fp32 master weights
-    return save_checkpoint(Path(out_dir) / "checkpoints", 0, model, optimizer=None, keep=1)
+    return save_checkpoint(out_dir / "checkpoints", 0, model, optimizer=None, keep=1)
 
 
 def _is_hf_dir(path: Path) -> bool:

@@ -36,8 +36,9 @@ from seekforge.model.precision import resolve_dtype
 from seekforge.model.tokenizer import load_tokenizer
 from seekforge.parallel.mesh import build_mesh, init_distributed
 from seekforge.parallel.parallelize import parallelize
-from seekforge.train.checkpoint import latest_checkpoint
+from seekforge.train.checkpoint import latest_checkpoint, step_dirs
 from seekforge.train.config_file import train_config_to_dict
+from seekforge.train.optim import lr_at
 from seekforge.train.trainer import Trainer, prepare_model
 
 
@@ -125,6 +126,19 @@ def parallel_layout(cfg: TrainConfig, model_cfg: ModelConfig, world_size: int) -
     return pc
 
 
+def say_schedule_changes(saved_config: Path, cfg: TrainConfig, step: int, say) -> None:
+    """One line when a resume changes the lr schedule from the saved run's (train_config.yaml): the new one applies
+    from the step reached (Trainer.resume)."""
+    if not saved_config.exists():
+        return
+    saved = yaml.safe_load(saved_config.read_text()) or {}
+    keys = ("steps", "lr", "min_lr", "warmup", "schedule", "decay_fraction")
+    changed = [f"{k} {saved[k]} → {getattr(cfg, k)}" for k in keys if k in saved and saved[k] != getattr(cfg, k)]
+    if changed:
+        say(f"resuming with another lr schedule ({', '.join(changed)}): this config's applies from step {step}, "
+            f"lr {lr_at(step, cfg):.3g}")
+
+
 def pretrain(cfg: TrainConfig) -> list[dict]:
     """Run (or resume) the pretraining run `cfg` describes. Returns the per-step metrics of this call
     (rank 0's view under torchrun)."""
@@ -136,6 +150,13 @@ def pretrain(cfg: TrainConfig) -> list[dict]:
     if latest is not None and (latest / "config.json").exists():
         model_cfg = ModelConfig.from_hf(latest)
         check_tokenizer_fits(tokenizer, model_cfg, cfg.tokenizer, latest / "config.json")
+        changed = {key: value for key, value in cfg.model.items() if getattr(model_cfg, key, value) != value}
+        if changed:
+            raise UserError(
+                f"{out_dir} holds a run whose model has {', '.join(f'{k}={getattr(model_cfg, k)!r}' for k in changed)} "
+                f"({latest.name}); this config asks for {', '.join(f'{k}={v!r}' for k, v in changed.items())}. A "
+                "resumed run keeps its model: drop those model settings, or start a new run (--no-resume, or "
+                "another --out-dir)")
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     pc = parallel_layout(cfg, model_cfg, world_size)
     check_fits(model_cfg, world_size, torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
@@ -176,7 +197,12 @@ def _train(cfg: TrainConfig, pc: ParallelConfig | None, model_cfg: ModelConfig, 
     trainer = Trainer(cfg, model, loader, eval_batches, out_dir, mesh=mesh, baseline=baseline)
     if latest is not None:
         trainer.resume(latest)
+        if is_main:
+            say_schedule_changes(out_dir / "train_config.yaml", cfg, trainer.step, say)
     elif is_main:  # a fresh start: an old run's curve and checkpoints in the same directory would mix in
+        old = step_dirs(out_dir / "checkpoints") if (out_dir / "checkpoints").is_dir() else []
+        if old:
+            say(f"--no-resume: starting over; the earlier run's {len(old)} checkpoint(s) and metrics are removed")
         (out_dir / "metrics.jsonl").unlink(missing_ok=True)
         shutil.rmtree(out_dir / "checkpoints", ignore_errors=True)
     if is_main:

@@ -39,6 +39,15 @@ def test_round_trip_gives_the_same_model(saved):
         assert torch.equal(loaded(ids), model(ids))
 
 
+def test_the_full_precision_loader_names_what_loads_it(saved):
+    """load_hf (generate, convert, quantize, GRPO's base) refuses a compressed checkpoint by what it is."""
+    from seekforge.errors import UserError
+    from seekforge.model.hf import load_hf
+
+    with pytest.raises(UserError, match="quantized .compressed-tensors. checkpoint.*seekforge serve"):
+        load_hf(saved[1])
+
+
 def test_loads_in_bf16_and_decodes(saved):
     """bf16 activations: the absorbed decode path reads kv_b_proj.weight in the model's dtype."""
     _, path = saved

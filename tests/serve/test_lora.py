@@ -129,6 +129,16 @@ def test_bad_adapter_and_lora_off(setup, tmp_path, byte_tokenizer):
         engine.load_lora("x", str(tmp_path))
     with pytest.raises(ValueError, match="no LoRA adapter named 'x'"):
         engine.make_request([1, 2], lora_name="x")
+    import copy
+
+    from seekforge.quant.calibrate import quantize_model
+    from seekforge.quant.recipe import Recipe
+
+    quantized = copy.deepcopy(model)
+    quantize_model(quantized, Recipe(scheme="w8a8-dynamic"), progress=False)
+    engine = LLMEngine(quantized, byte_tokenizer, EngineConfig(num_kv_blocks=8, enable_lora=True))
+    with pytest.raises(ValueError, match="is quantized in this checkpoint"):
+        engine.load_lora("a", adapters["a"][0])
 
 
 def test_load_unload_through_the_server_under_load(setup, byte_tokenizer):

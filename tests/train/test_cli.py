@@ -40,6 +40,22 @@ def test_pretrain_cli_writes_run_artifacts(tmp_path, capsys):
     assert "nothing to train" in capsys.readouterr().out
 
 
+def test_resume_refuses_another_model_and_says_a_changed_schedule(tmp_path, capsys):
+    out = tmp_path / "run"
+    base = ["pretrain", "--preset", "tiny", "--out-dir", str(out), "--seq-len", "32", "--micro-batch-size", "2",
+            "--set", "sample_prompt=", "--set", "export_hf=false", "--set", "warmup=1", "--set", "peak_flops=1e11"]
+    main(base + ["--steps", "2", "--set", "model.num_hidden_layers=2"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        main(base + ["--steps", "3", "--set", "model.num_hidden_layers=3"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "num_hidden_layers=2" in err and "num_hidden_layers=3" in err and "--no-resume" in err
+    assert latest_checkpoint(out / "checkpoints").name == "step_000002"
+    main(base + ["--steps", "3", "--set", "model.num_hidden_layers=2"])
+    assert "resuming with another lr schedule (steps 2 → 3)" in capsys.readouterr().out
+
+
 def test_pretrain_cli_bad_input_is_a_clean_error(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["pretrain", "--preset", "tiny", "--set", "stpes=3", "--out-dir", str(tmp_path)])
@@ -60,3 +76,26 @@ def test_convert_round_trip(tmp_path):
     assert load_checkpoint(latest_checkpoint(tmp_path / "back" / "checkpoints"), restored) == 0
     for (name, a), b in zip(model.state_dict().items(), restored.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+    # HF → DCP into a directory that holds a run (or an HF export) is refused: the run's checkpoints stay
+    for dest in (tmp_path / "run", tmp_path / "hf"):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["convert", str(tmp_path / "hf"), str(dest)])
+        assert exit_info.value.code == 2
+    assert latest_checkpoint(tmp_path / "run" / "checkpoints").name == "step_000007"
+    assert not (tmp_path / "hf" / "checkpoints").exists()
+
+
+def test_convert_refuses_a_damaged_checkpoint(tmp_path, capsys):
+    from seekforge.config import preset
+    from seekforge.model.model import build_model
+    from seekforge.train.checkpoint import save_checkpoint
+
+    step = save_checkpoint(tmp_path / "run" / "checkpoints", 3, build_model(preset("tiny"), seed=3))
+    shard = max(step.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    shard.write_bytes(shard.read_bytes()[:100])
+    for source in (step, tmp_path / "run"):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["convert", str(source), str(tmp_path / "hf")])
+        assert exit_info.value.code == 2
+        assert shard.name in capsys.readouterr().err
