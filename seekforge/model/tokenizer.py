@@ -10,6 +10,7 @@ that encodes exactly as the tokenizer itself does.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import shutil
@@ -55,6 +56,21 @@ class ByteTokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         return render_chat_template(self.chat_template, messages, add_generation_prompt,
                                     bos_token="", eos_token="")
+
+    def piece(self, token_id: int) -> str | None:
+        """The token's string in the vocabulary, as transformers' convert_ids_to_tokens gives it for the saved
+        tokenizer (`save`: GPT-2's stand-in symbol for a byte); None past the vocabulary."""
+        if 0 <= token_id < 256:
+            return _bytes_to_unicode()[token_id]
+        special = token_id - 256
+        return self.SPECIALS[special] if 0 <= special < len(self.SPECIALS) else None
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a special token: its text; an id past the vocabulary: none)."""
+        if 0 <= token_id < 256:
+            return bytes([token_id])
+        special = token_id - 256
+        return self.SPECIALS[special].encode() if 0 <= special < len(self.SPECIALS) else b""
 
     def save(self, directory: str | Path) -> None:
         """The same tokenizer as a `tokenizers` byte-level BPE with no merges: GPT-2's byte-to-unicode
@@ -118,6 +134,26 @@ class HFTokenizer:
         return render_chat_template(self.chat_template, messages, add_generation_prompt,
                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "")
 
+    def piece(self, token_id: int) -> str | None:
+        """The token's string in the vocabulary (transformers' convert_ids_to_tokens); None past it."""
+        return self._tok.id_to_token(token_id)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, also where they are part of a character (a byte-level BPE piece, a
+        SentencePiece byte-fallback <0xNN>); a special token: its text; an id past the vocabulary: none."""
+        piece = self.piece(token_id)
+        if piece is None:
+            return b""
+        text = self._tok.decode([token_id], skip_special_tokens=False)
+        if "\ufffd" not in text:
+            return text.encode()
+        if re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece):
+            return bytes([int(piece[3:5], 16)])
+        byte_of = _byte_of_symbol()
+        if all(ch in byte_of for ch in piece):
+            return bytes(byte_of[ch] for ch in piece)
+        return text.encode()
+
     def save(self, directory: str | Path) -> None:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
@@ -131,6 +167,11 @@ _SPECIALS_PATTERN = re.compile("(" + "|".join(re.escape(t) for t in ByteTokenize
 
 def _token_text(token) -> str | None:
     return token.get("content") if isinstance(token, dict) else token
+
+
+@functools.cache
+def _byte_of_symbol() -> dict[str, int]:
+    return {symbol: b for b, symbol in _bytes_to_unicode().items()}
 
 
 def _bytes_to_unicode() -> dict[int, str]:

@@ -111,6 +111,9 @@ class LimitsMiddleware:
             req = json.loads(body)
         except ValueError:
             return  # the app answers malformed JSON with its own 400
+        except RecursionError:  # which the app's own parser would meet too, as a 500
+            raise Rejected(400, "the request body nests JSON arrays or objects too deeply to parse; no OpenAI "
+                                "field needs more than a few levels", "invalid_json") from None
         if not isinstance(req, dict):
             return
         n = req.get("n", 1)

@@ -24,7 +24,7 @@ class StreamOptions(BaseModel):
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # JSON's NaN / Infinity: a 400 naming the field
     model: str
     n: int = 1
     temperature: float | None = None
@@ -160,6 +160,8 @@ class ChatCompletionRequest(_Sampling):
     def unsupported(self) -> str | None:
         if self.top_logprobs and not self.logprobs:
             return "top_logprobs needs logprobs=true"
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
+            return f"top_logprobs={self.top_logprobs}: must be in [0, 20]"
         return super().unsupported()
 
     @property

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -46,26 +47,34 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = [s for s in (self.stop or []) if s]
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.top_k is None or self.top_k < 0:  # vLLM spells "off" as -1
-            self.top_k = 0
 
         def bad(key, expected):
             raise ValueError(f"{key}={getattr(self, key)!r}: {expected}")
 
-        if not isinstance(self.n, int) or self.n < 1:
+        def integer(value) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        if self.top_k is not None and (not integer(self.top_k) or self.top_k < -1):
+            bad("top_k", "must be an integer >= 1, or 0 / -1 for off")
+        if self.top_k is None or self.top_k < 0:  # vLLM spells "off" as -1
+            self.top_k = 0
+        if not integer(self.n) or self.n < 1:
             bad("n", "must be an integer >= 1")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        if self.max_tokens is not None and (not integer(self.max_tokens) or self.max_tokens < 1):
             bad("max_tokens", "must be an integer >= 1 (or null for the rest of the context)")
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
             bad("min_tokens", "must be in [0, max_tokens]")
-        if self.temperature < 0:
-            bad("temperature", "must be >= 0 (0 is greedy)")
+        # the comparisons below are written so that NaN fails them
+        if not 0 <= self.temperature < math.inf:
+            bad("temperature", "must be a finite number >= 0 (0 is greedy)")
         if not 0 < self.top_p <= 1:
             bad("top_p", "must be in (0, 1]")
         if not 0 <= self.min_p <= 1:
             bad("min_p", "must be in [0, 1]")
-        if self.repetition_penalty <= 0:
-            bad("repetition_penalty", "must be > 0 (1 is off)")
+        if not 0 < self.repetition_penalty < math.inf:
+            bad("repetition_penalty", "must be a finite number > 0 (1 is off)")
+        if self.seed is not None and (not integer(self.seed) or not -(2**63) <= self.seed < 2**63):
+            bad("seed", "must be an integer that fits 64 bits")
         for key in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, key) <= 2:
                 bad(key, "must be in [-2, 2]")

@@ -16,6 +16,7 @@ disconnects has its request aborted and its KV blocks freed.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import json
 import logging
 import os
@@ -199,7 +200,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         add_bos = bool(req.add_special_tokens) and getattr(tokenizer, "add_bos_token", False)
         ids = tokenizer.encode(text, add_bos=add_bos)
         return {"count": len(ids), "max_model_len": core.max_model_len, "tokens": ids,
-                "token_strs": [_single_token_text(tokenizer, i) for i in ids] if req.return_token_strs else None}
+                "token_strs": [_piece(tokenizer, i) for i in ids] if req.return_token_strs else None}
 
     @app.post("/detokenize", dependencies=v1)
     async def detokenize(req: DetokenizeRequest):
@@ -241,7 +242,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         choices = [choice(k * params.n + c.index, out, c.text, c.logprobs, c.finish_reason)
                    for k, out in enumerate(finals) for c in out.outputs]
         return {"id": rid, "object": "text_completion", "created": created, "model": lora or model_name,
-                "choices": choices, "usage": _usage(finals)}
+                "choices": choices, "usage": _usage(finals, scored_only=echo_only)}
 
     @app.post("/v1/chat/completions", dependencies=v1)
     async def chat(req: ChatCompletionRequest, raw: Request):
@@ -306,15 +307,33 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
 
 # ---------------------------------------------------------------------------------------- helpers
-def _usage(finals: list[RequestOutput]) -> dict:
+def _usage(finals: list[RequestOutput], scored_only: bool = False) -> dict:
+    """OpenAI's usage; scored_only: max_tokens=0 with echo, whose one token the engine ran is not shown, nor counted."""
     prompt = sum(len(o.prompt_token_ids) for o in finals)
-    completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
+    completion = 0 if scored_only else sum(len(c.token_ids) for o in finals for c in o.outputs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in finals)}}
 
 
+def _token_bytes(tokenizer, token_id: int) -> bytes:
+    token_bytes = getattr(tokenizer, "token_bytes", None)  # seekforge's tokenizers; another: its decoded text
+    return token_bytes(token_id) if token_bytes else tokenizer.decode([token_id]).encode()
+
+
+def _piece(tokenizer, token_id: int) -> str | None:
+    """The token's vocabulary string, as vLLM's /tokenize returns it (convert_ids_to_tokens)."""
+    piece = getattr(tokenizer, "piece", None)
+    return piece(token_id) if piece else tokenizer.decode([token_id])
+
+
 def _single_token_text(tokenizer, token_id: int) -> str:
-    return tokenizer.decode([token_id])
+    """One token as logprobs show it: its text, or where its bytes are part of a character, "bytes:\\xNN…" (as
+    OpenAI writes such tokens), so that distinct tokens never read the same."""
+    data = _token_bytes(tokenizer, token_id)
+    try:
+        return data.decode()
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
 
 
 def _prompt_entries(out: RequestOutput) -> list[dict]:
@@ -325,10 +344,12 @@ def _prompt_entries(out: RequestOutput) -> list[dict]:
 
 def _completion_logprobs(tokenizer, entries: list[dict]) -> dict:
     tokens = [_single_token_text(tokenizer, e["token_id"]) for e in entries]
-    offsets, pos = [], 0
-    for t in tokens:
+    # each token's first character in the decoded text: bytes decoded as they come, a character split over tokens
+    # counted where it ends
+    decoder, offsets, pos = codecs.getincrementaldecoder("utf-8")(errors="replace"), [], 0
+    for e in entries:
         offsets.append(pos)
-        pos += len(t)
+        pos += len(decoder.decode(_token_bytes(tokenizer, e["token_id"])))
     return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
             "top_logprobs": [None if e["top"] is None else {_single_token_text(tokenizer, i): lp for i, lp in e["top"]}
                              for e in entries],
@@ -350,8 +371,8 @@ def _vllm_prompt_logprobs(tokenizer, out: RequestOutput) -> list[dict | None]:
 
 def _chat_logprobs(tokenizer, entries: list[dict]) -> list[dict]:
     def one(token_id, logprob):
-        text = _single_token_text(tokenizer, token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        return {"token": _single_token_text(tokenizer, token_id), "logprob": logprob,
+                "bytes": list(_token_bytes(tokenizer, token_id))}
 
     return [{**one(e["token_id"], e["logprob"]), "top_logprobs": [one(i, lp) for i, lp in e["top"]]}
             for e in entries]
@@ -461,7 +482,7 @@ async def _stream_chunks(streams, n: int, req, rid: str, created: int, obj: str,
                 finals[k] = out
                 metrics.observe(out)
         if req.stream_options and req.stream_options.include_usage:
-            yield chunk([], _usage([finals[k] for k in sorted(finals)]))
+            yield chunk([], _usage([finals[k] for k in sorted(finals)], scored_only=req.max_tokens == 0))
     except Exception as e:  # the stream has started: report in-band, as OpenAI does
         log.exception("stream failed")
         yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'internal_error'}})}\n\n"

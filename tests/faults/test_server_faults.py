@@ -49,6 +49,9 @@ def test_limits_are_400s_naming_the_limit(tiny_model, byte_tokenizer):
             for body, says in cases:
                 r = c.post("/v1/completions", json=body)
                 assert r.status_code == 400 and says in r.json()["error"]["message"], (body, r.text)
+            nested = b'{"model": "tiny", "prompt": "x", "user": ' + b"[" * 1000 + b"]" * 1000 + b"}"  # ~2 KB
+            r = c.post("/v1/completions", content=nested, headers={"content-type": "application/json"})
+            assert r.status_code == 400 and "too deeply" in r.json()["error"]["message"], r.text
             assert c.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1}).status_code == 200
 
 

@@ -38,3 +38,14 @@ def test_encode_and_decode_equal_transformers(hf_tokenizer, text):
     ids = ours.encode(text)
     assert hf_tokenizer(text, add_special_tokens=False)["input_ids"] == ids
     assert hf_tokenizer.decode(ids, skip_special_tokens=True) == ours.decode(ids)
+
+
+def test_pieces_and_bytes_of_single_tokens(exported, hf_tokenizer):
+    """Per token: the vocabulary string transformers' convert_ids_to_tokens gives (vLLM's /tokenize), and the bytes
+    (logprobs), from the byte tokenizer and from its export read as an HF tokenizer alike."""
+    ids = list(range(ByteTokenizer().vocab_size))
+    ours, exported_tokenizer = ByteTokenizer(), load_tokenizer(exported)
+    assert [ours.piece(i) for i in ids] == [exported_tokenizer.piece(i) for i in ids]
+    assert [ours.piece(i) for i in ids] == hf_tokenizer.convert_ids_to_tokens(ids)
+    assert [ours.token_bytes(i) for i in ids] == [exported_tokenizer.token_bytes(i) for i in ids]
+    assert [ours.token_bytes(i) for i in (104, 195, 257, 300)] == [b"h", b"\xc3", b"<|eos|>", b""]

@@ -128,7 +128,7 @@ def test_tokenize_and_detokenize_as_vllm(server):
     base = server.base_url
     r = httpx.post(base + "/tokenize", json={"model": "tiny", "prompt": "hé", "return_token_strs": True}).json()
     assert r == {"count": 3, "max_model_len": r["max_model_len"], "tokens": [104, 195, 169],
-                 "token_strs": ["h", "\ufffd", "\ufffd"]}
+                 "token_strs": ["h", "Ã", "©"]}  # GPT-2's symbols for bytes 195, 169: convert_ids_to_tokens
     chat = httpx.post(base + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
     assert bytes(chat["tokens"]).decode() == "User: hi\nAssistant:" and chat["token_strs"] is None
     assert httpx.post(base + "/detokenize", json={"tokens": [104, 195, 169]}).json() == {"prompt": "hé"}

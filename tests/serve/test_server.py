@@ -50,6 +50,23 @@ def test_completion_greedy_matches_engine(client, offline):
     assert r.usage.prompt_tokens_details.cached_tokens == 0  # 5 tokens fill no block of 8: nothing to reuse
 
 
+def test_logprob_tokens_keep_their_bytes(client):
+    """A byte token that is part of a character reads "bytes:\\xNN" (OpenAI's way), so distinct tokens stay
+    distinct; chat's `bytes` are the token's own; text_offset counts characters of the text."""
+    r = client.completions.create(model="tiny", prompt="héllo", max_tokens=0, echo=True, logprobs=1)
+    logprobs = r.choices[0].logprobs
+    assert logprobs.tokens == ["h", "bytes:\\xc3", "bytes:\\xa9", "l", "l", "o"]
+    assert logprobs.text_offset == [0, 1, 1, 2, 3, 4] and r.choices[0].text == "héllo"
+    assert r.usage.completion_tokens == 0
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "é"}], max_tokens=3,
+                                          logprobs=True, top_logprobs=5, extra_body={"ignore_eos": True})
+    for entry in chat.choices[0].logprobs.content:
+        for top in [entry, *entry.top_logprobs]:
+            token = top.token
+            assert bytes(top.bytes) == (bytes.fromhex(token[6:].replace("\\x", "")) if token.startswith("bytes:")
+                                        else token.encode())
+
+
 def test_prefix_cache_reported_as_cached_tokens(client):
     prompt = list(range(40))
     client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
@@ -168,6 +185,10 @@ def test_stop_strings(client, offline, byte_tokenizer):
     (json.dumps({"model": "tiny", "prompt": "x", "suffix": "y"}).encode(), "suffix"),
     (json.dumps({"model": "tiny", "prompt": "x", "logit_bias": {"1": 2}}).encode(), "logit_bias"),
     (json.dumps({"model": "tiny", "prompt": "x", "temperature": -1}).encode(), "temperature"),
+    (b'{"model": "tiny", "prompt": "x", "temperature": NaN}', "temperature"),
+    (b'{"model": "tiny", "prompt": "x", "top_p": Infinity}', "top_p"),
+    (json.dumps({"model": "tiny", "prompt": "x", "top_k": -5}).encode(), "top_k"),
+    (json.dumps({"model": "tiny", "prompt": "x", "seed": 10**20}).encode(), "seed"),
     (json.dumps({"model": "tiny"}).encode(), "prompt"),
     (json.dumps({"model": "tiny", "prompt": "x", "stream_options": {"include_usage": True}}).encode(),
      "only allowed with stream=true"),
