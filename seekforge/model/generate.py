@@ -71,7 +71,7 @@ def add_arguments(p):
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+    p.add_argument("--dtype", choices=["auto", "bf16", "fp32", "bfloat16", "float32"], default="auto",
                    help=f"auto: {auto_dtype_help()}")
 
 

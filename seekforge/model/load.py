@@ -24,6 +24,12 @@ def load_model(name_or_path: str, dtype=torch.float32, device="cpu", flag: str =
     if not path.is_dir():
         raise ValueError(f"{flag} {name_or_path!r} is neither a preset ({', '.join(PRESETS)}) "
                          "nor a checkpoint directory")
+    if not (path / "config.json").exists():
+        if (path / "hf" / "config.json").exists():
+            raise UserError(f"{flag} {path} is a training run directory; its HF export is {path / 'hf'}")
+        if (path / "checkpoints").is_dir() or (path / ".metadata").exists() or (path / "latest").exists():
+            raise UserError(f"{flag} {path} holds training checkpoints (DCP), not an HF checkpoint; export one with "
+                            f"`seekforge convert {path} OUT_DIR` and pass OUT_DIR")
     model = load_hf(path, device=device, dtype=dtype).eval()
     has_hf_tokenizer = (path / "tokenizer.json").exists()
     tokenizer = load_tokenizer(path if has_hf_tokenizer else "byte")

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from pathlib import Path
 
@@ -18,10 +19,14 @@ GiB = 2**30
 
 def add_arguments(p):
     sub = p.add_subparsers(dest="what", required=True, metavar="{memory,schedule,balance,search}")
+    add_parser = sub.add_parser
+    sub.add_parser = lambda *a, **k: add_parser(*a, formatter_class=argparse.ArgumentDefaultsHelpFormatter, **k)
     memory = sub.add_parser("memory", help="peak memory per rank class of one training step")
     _model_args(memory)
     memory.add_argument("--parallel", default="", metavar="KEY=VALUE,...", help="ParallelConfig keys, as pretrain")
-    memory.add_argument("--micro-batch-size", type=int, default=1, help="sequences per data-parallel rank per step")
+    memory.add_argument("--micro-batch-size", type=int, default=1,
+                        help="sequences per data-parallel rank per step (pretrain's --micro-batch-size is the global "
+                             "batch: divide it by dp_replicate·dp_shard)")
     memory.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     memory.add_argument("--optimizer-dtype", choices=("fp32", "bf16"), default="fp32", help="AdamW moments")
     memory.add_argument("--moe-skew", type=float, default=1.0,
@@ -71,13 +76,27 @@ def add_arguments(p):
 
 def _model_args(p):
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--preset", choices=sorted(PRESETS), default="v3-671b")
-    src.add_argument("--config", help="a config.json, or a checkpoint directory holding one")
-    p.add_argument("--seq-len", type=int, default=4096)
+    src.add_argument("--preset", choices=sorted(PRESETS), default="v3-671b", help="model preset")
+    src.add_argument("--config", help="a config.json, a checkpoint directory holding one, or a pretrain config "
+                                      "(YAML/TOML: its preset and model table)")
+    p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence")
 
 
 def _model(args) -> ModelConfig:
-    return ModelConfig.from_hf(Path(args.config)) if args.config else preset(args.preset)
+    if not args.config:
+        return preset(args.preset)
+    path = Path(args.config)
+    if path.suffix in (".yaml", ".yml", ".toml"):  # a pretrain config: the model it trains
+        if path.suffix == ".toml":
+            import tomllib
+
+            raw = tomllib.loads(path.read_text())
+        else:
+            import yaml
+
+            raw = yaml.safe_load(path.read_text()) or {}
+        return preset(raw.get("preset", "small"), **raw.get("model", {}))
+    return ModelConfig.from_hf(path)
 
 
 def _parallel(spec: str, **overrides) -> ParallelConfig:

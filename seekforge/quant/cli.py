@@ -6,6 +6,7 @@ before the first weight changes; the result is a compressed-tensors checkpoint t
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 from seekforge.quant.schemes import SCHEMES
@@ -18,8 +19,10 @@ def add_arguments(p):
     how.add_argument("--scheme", choices=list(SCHEMES), help="a scheme with the default recipe around it")
     p.add_argument("--method", choices=["rtn", "gptq", "awq"], default="rtn",
                    help="with --scheme: weight rounding (awq: activation-aware scales, then RTN)")
-    p.add_argument("--group-size", type=int, default=None, help="with --scheme w4a16*: group size (default 128)")
-    p.add_argument("--num-samples", type=int, default=None, help="calibration samples (default: the recipe's, 64)")
+    p.add_argument("--group-size", type=int, default=argparse.SUPPRESS,
+                   help="with --scheme w4a16*: input columns per weight scale (default: 128)")
+    p.add_argument("--num-samples", type=int, default=argparse.SUPPRESS,
+                   help="calibration samples (default: the recipe's, 64)")
     p.add_argument("--dataset", default=None, help="calibration data: builtin:text or a JSONL file of {\"text\": …}")
     p.add_argument("--out", required=True, help="output checkpoint directory")
 
@@ -30,8 +33,8 @@ def recipe_from_args(args):
     if args.recipe:
         recipe = Recipe.from_file(args.recipe)
     else:
-        recipe = Recipe(scheme=args.scheme, method=args.method, group_size=args.group_size)
-    if args.num_samples is not None:
+        recipe = Recipe(scheme=args.scheme, method=args.method, group_size=getattr(args, "group_size", None))
+    if getattr(args, "num_samples", None) is not None:
         recipe.num_calibration_samples = args.num_samples
     if args.dataset is not None:
         recipe.dataset = args.dataset

@@ -1,8 +1,8 @@
 """`seekforge eval --model DIR`: held-out perplexity and built-in task accuracy for any checkpoint
 (bf16/fp32, FP8, compressed-tensors), so every quantization scheme is judged by one command.
 
-Perplexity: exp(mean next-token cross-entropy) over samples of the valid split of the built-in
-text corpus — the documents `seekforge pretrain` holds out with its default split and seed.
+Perplexity: exp(mean next-token cross-entropy) over samples of the valid split of --data (the built-in
+text corpus by default) — the documents `seekforge pretrain` holds out with its default split and seed.
 Accuracy: greedy answers to the built-in arithmetic questions, graded by data.corpora.check_answer."""
 
 from __future__ import annotations
@@ -48,9 +48,13 @@ def task_accuracy(model, tokenizer, num_questions: int = 50, seed: int = 1234, m
 
 def add_arguments(p):
     p.add_argument("--model", required=True, help="checkpoint directory (any format seekforge loads) or preset")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="float32",
+    p.add_argument("--dtype", choices=["auto", "bf16", "fp32", "bfloat16", "float32"], default="float32",
                    help="compute dtype of the unquantized parts")
-    p.add_argument("--num-samples", type=int, default=32, help="held-out samples of 256 tokens for perplexity")
+    p.add_argument("--data", default="builtin:text",
+                   help="perplexity data, as pretrain's --data (builtin:text, a Megatron .bin/.idx prefix, a blend): "
+                        "the valid split pretrain holds out with its default split and seed")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per perplexity sample")
+    p.add_argument("--num-samples", type=int, default=32, help="held-out samples for perplexity")
     p.add_argument("--num-questions", type=int, default=50, help="arithmetic questions for accuracy (0: skip)")
 
 
@@ -61,8 +65,8 @@ def run(args):
 
     dtype = resolve_dtype(args.dtype, hidden_size=model_width(args.model))[0]
     model, tokenizer = load_model(args.model, dtype)
-    ppl = perplexity(model, tokenizer, args.num_samples)
-    print(f"perplexity (builtin:text valid, {args.num_samples}×256 tokens): {ppl:.4f}")
+    ppl = perplexity(model, tokenizer, args.num_samples, args.seq_len, dataset=args.data)
+    print(f"perplexity ({args.data} valid, {args.num_samples}×{args.seq_len} tokens): {ppl:.4f}")
     if args.num_questions:
         acc = task_accuracy(model, tokenizer, args.num_questions)
         print(f"arithmetic accuracy ({args.num_questions} questions, greedy): {acc:.3f}")

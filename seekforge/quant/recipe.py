@@ -161,8 +161,8 @@ def check_plan(model: nn.Module, plan: dict[str, Scheme], every: dict[str, str])
         in_features = in_features_of(model, every, name)
         if w.strategy == "group" and in_features % w.group_size:
             raise ValueError(f"group_size={w.group_size} does not divide {name}'s in_features={in_features}; "
-                             f"set group_size in the recipe to a divisor of every target's in_features "
-                             f"(e.g. 32), or ignore {name}")
+                             f"set group_size (--group-size, or the recipe's group_size) to a divisor of every "
+                             f"target's in_features (e.g. 32), or ignore {name}")
     experts: dict[str, set[str]] = {}
     for hf in every:
         m = re.fullmatch(r"(.+\.experts)\.\d+\.\w+_proj", hf)

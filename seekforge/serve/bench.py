@@ -52,7 +52,7 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict) -> RequestResult
     try:
         async with client.stream("POST", url, json=body) as resp:
             if resp.status_code != 200:
-                result.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                result.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200].decode(errors='replace')}"
                 return result
             async for line in resp.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
@@ -152,32 +152,49 @@ def print_summary(s: dict) -> None:
 
 def add_arguments(p):
     p.add_argument("what", choices=["serve"], help="what to benchmark (a running server)")
-    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000",
+                   help="the server's address, without /v1 (a trailing /v1 is dropped)")
     p.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--dataset", choices=["random", "shared-prefix"], default="random")
-    p.add_argument("--num-prompts", type=int, default=100)
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--api-key", default=None, help="the server's --api-key, if it set one")
+    p.add_argument("--dataset", choices=["random", "shared-prefix"], default="random",
+                   help="random token prompts, or prompts sharing a --prefix-len prefix (prefix caching)")
+    p.add_argument("--num-prompts", type=int, default=100, help="requests to send")
+    p.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
+    p.add_argument("--output-len", type=int, default=128, help="tokens each request generates (ignore_eos)")
     p.add_argument("--prefix-len", type=int, default=64, help="shared-prefix: tokens common to all prompts")
     p.add_argument("--vocab", type=int, default=256, help="random token ids are drawn from [0, vocab)")
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf = all at once")
-    p.add_argument("--max-concurrency", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at once (None: no limit)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts and arrival times")
     p.add_argument("--result-json", default=None, help="also write the summary here")
 
 
 def run(args):
     if args.num_prompts < 1 or args.output_len < 1 or args.input_len < 1:
         raise ValueError("--num-prompts, --input-len and --output-len must be >= 1")
+    if not args.request_rate > 0:
+        raise ValueError(f"--request-rate {args.request_rate}: give requests/s > 0 (inf: all at once)")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError(f"--max-concurrency {args.max_concurrency}: give at least 1 (or leave it out: no limit)")
+    args.base_url = args.base_url.rstrip("/").removesuffix("/v1")  # the openai client's form of the address
     model = args.model
     if model is None:
         headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+        url = f"{args.base_url}/v1/models"
         try:
-            model = httpx.get(f"{args.base_url}/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
-        except (httpx.HTTPError, KeyError, IndexError) as e:
-            raise ValueError(f"could not list models at {args.base_url} ({e}); is the server running? "
-                             "Start it with `seekforge serve`, or pass --model") from e
+            response = httpx.get(url, headers=headers, timeout=30)
+        except httpx.HTTPError as e:
+            raise ValueError(f"could not reach {url} ({e}); is the server running? Start it with `seekforge "
+                             "serve`, or pass --base-url") from e
+        if response.status_code == 401:
+            raise ValueError(f"{url}: 401, the server wants an API key; pass its key with --api-key")
+        try:
+            response.raise_for_status()
+            model = response.json()["data"][0]["id"]
+        except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
+            raise ValueError(f"could not list models at {url} (HTTP {response.status_code}: "
+                             f"{response.text[:200]}); is --base-url an OpenAI-compatible server? Or pass "
+                             "--model") from e
     prompts = make_prompts(args.dataset, args.num_prompts, args.input_len, args.prefix_len, args.vocab, args.seed)
     summary = asyncio.run(run_benchmark(args.base_url, model, prompts, args.output_len, args.request_rate,
                                         args.max_concurrency, args.api_key, args.seed))

@@ -7,7 +7,8 @@ middleware in front of the OpenAI app (server.py), so that no endpoint has to re
 - Admission: at most max_concurrent generation requests run; up to max_queue more wait, each at most
   queue_timeout_s; past either bound a 503 with Retry-After. Memory is bounded by construction: a
   waiting request holds only its (size-limited) body.
-- Drain (SIGTERM): new requests get 503 and /health turns 503 so balancers stop routing; in-flight
+- Drain (SIGTERM): uvicorn closes the listening socket (new connections are refused); new requests on
+  connections already open get 503, and so does /health, so balancers stop routing; in-flight
   requests run on until shutdown_grace_s, then a stream gets a final error event and [DONE], a
   non-streaming request a 503, and its generation is cancelled (which aborts it and frees its KV
   blocks, as a client disconnect does). uvicorn then exits 0.
@@ -236,6 +237,14 @@ def add_arguments(p) -> None:
 
 
 def limits_from_args(args) -> ServerLimits:
+    for flag, value in (("--max-body-bytes", args.max_body_bytes), ("--max-n", args.max_n),
+                        ("--max-concurrent", args.max_concurrent)):
+        if value < 1:
+            raise ValueError(f"{flag} {value}: give at least 1 (every request would be refused)")
+    for flag, value in (("--max-queue", args.max_queue), ("--queue-timeout", args.queue_timeout),
+                        ("--shutdown-grace", args.shutdown_grace)):
+        if not value >= 0:
+            raise ValueError(f"{flag} {value}: give a value >= 0")
     return ServerLimits(args.max_body_bytes, args.max_n, args.max_concurrent, args.max_queue, args.queue_timeout,
                         args.shutdown_grace)
 

@@ -24,12 +24,14 @@ import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from seekforge.config import PRESETS
 from seekforge.model.precision import auto_dtype_help
 from seekforge.probe.trace import OnDemandTracer, StepTimer
 from seekforge.serve import limits
@@ -500,19 +502,22 @@ def add_arguments(p):
     p.add_argument("--served-model-name", default=None,
                    help="the `model` name clients send; when unset, the --model value")
     p.add_argument("--host", default="127.0.0.1", help="bind address; 0.0.0.0 exposes the server")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="TCP port")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+    p.add_argument("--dtype", choices=["auto", "bf16", "fp32", "bfloat16", "float32"], default="auto",
                    help=f"auto: {auto_dtype_help()}")
     p.add_argument("--kv-cache-memory", default="512MiB", help="memory for the paged latent KV cache")
     p.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default="auto",
                    help="int8: cache c_kv and k_pe per token in int8 with an fp32 scale (about 1/2 of bf16's bytes)")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--no-chunked-prefill", action="store_true")
-    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="sequences decoding at once, at most")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="tokens one step computes, at most (a long prompt prefills in chunks of this size)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt + output tokens per request, at most (None: the model's max_position_embeddings)")
+    p.add_argument("--no-chunked-prefill", action="store_true", help="prefill each prompt in one step")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="recompute shared prompt prefixes instead of reusing their cached blocks")
     p.add_argument("--speculative-tokens", type=int, default=0,
                    help="k > 0: the model's MTP modules draft k tokens per step, one pass verifies them")
     p.add_argument("--num-scheduler-steps", type=int, default=1,
@@ -533,7 +538,8 @@ def add_arguments(p):
     p.add_argument("--ep", type=int, default=1,
                    help="under torchrun: split the routed experts over groups of this many ranks (all-to-all dispatch)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (None: torch's choice)")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"],
+                   help="server log verbosity")
     p.add_argument("--trace-dir", default="traces", help="where POST /debug/trace and SIGUSR2 write profiler traces")
     limits.add_arguments(p)
 
@@ -569,6 +575,12 @@ def run(args):
     from seekforge.serve.engine import LLMEngine
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # flags that need no model are checked before the model loads
+    limits.limits_from_args(args)
+    parse_lora_modules(args.lora_modules)
+    if args.model not in PRESETS and not Path(args.model).is_dir():
+        raise ValueError(f"--model {args.model!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint "
+                         "directory")
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype, why = resolve_dtype(args.dtype, hidden_size=model_width(args.model))

@@ -223,6 +223,9 @@ def _train(cfg: TrainConfig, pc: ParallelConfig | None, model_cfg: ModelConfig, 
         f"{str(compute_dtype).removeprefix('torch.')} on {device}; {trainer.flops_per_token / 1e6:.1f} MFLOP/token, "
         f"peak {trainer.peak_flops / 1e9:.0f} GFLOP/s per device ({'measured' if not cfg.peak_flops else 'given'})")
     say(f"unigram-entropy baseline: {baseline:.3f} nats/token (the best loss without context)")
+    if cfg.warmup >= cfg.steps:
+        say(f"warning: warmup={cfg.warmup} >= steps={cfg.steps}: the learning rate never reaches lr={cfg.lr:g} nor "
+            f"decays; --set warmup=N with N < {cfg.steps}")
     if latest is not None:
         say(f"resumed from {latest} at step {trainer.step}")
 
