@@ -39,6 +39,12 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// The scores pass reads the latents first, and in a decode step they come from memory: the weights' stream since the
+// last step has pushed them out of every cache. The hardware prefetcher, which sees two short streams per pair of
+// rows, fetched too little: a batch-1 step at 4,096 tokens of context (kv_lora_rank 512, bf16) took 19.3 ms, 8.4 ms
+// with the rows PREFETCH_ROWS ahead requested as each pair is read (attention is most of such a step).
+constexpr int64_t PREFETCH_ROWS = 16;
+
 // scores[m, s] = q[m] · lat[s] · scale for MB query rows and the S latent rows, two rows at a time
 template <int MB, typename T>
 void scores_block(const float* q, const T* lat, int64_t ld, int64_t S, int64_t D, float scale, float* scores,
@@ -51,6 +57,10 @@ void scores_block(const float* q, const T* lat, int64_t ld, int64_t S, int64_t D
     const T* l1 = l0 + ld;
     for (int64_t d = 0; d < D; d += 16) {
       const __mmask16 k = columns(d, D);
+      if (s + PREFETCH_ROWS + 1 < S) {  // see PREFETCH_ROWS
+        _mm_prefetch(reinterpret_cast<const char*>(l0 + PREFETCH_ROWS * ld + d), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(l1 + PREFETCH_ROWS * ld + d), _MM_HINT_T0);
+      }
       const __m512 x0 = load16(l0 + d, k), x1 = load16(l1 + d, k);
       for (int m = 0; m < MB; ++m) {
         const __m512 qv = _mm512_maskz_loadu_ps(k, q + m * D + d);
