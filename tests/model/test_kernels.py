@@ -38,6 +38,24 @@ def test_latent_attention_equals_softmax_attention(rows, seq, width, value_dim, 
                                        rtol=tol)
 
 
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_latent_attention_splits_long_sequences_over_threads(dtype, tol):
+    """Fewer sequences than threads: each sequence's latents in parts, merged by their softmax statistics; parts
+    without rows (a sequence shorter than its parts) included."""
+    gen = torch.Generator().manual_seed(3)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)  # 1 sequence: 3 parts of the 1,000 latents; 2: 2 parts each
+    try:
+        cases = [(1, None), (1, torch.tensor([700])), (1, torch.tensor([2])), (2, torch.tensor([1000, 2]))]
+        for batch, lengths in cases:
+            latents = torch.randn(batch, 1000, 160, generator=gen).to(dtype)
+            q = torch.randn(batch, 8, 160, generator=gen).to(dtype)
+            out = torch.ops.seekforge.latent_attention(q, latents, lengths, 0.1, 128)
+            torch.testing.assert_close(out.float(), reference(q, latents, lengths, 0.1, 128), atol=tol, rtol=tol)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_latent_attention_compiles():
     """torch.compile traces it through its shape function and calls the kernel (serving's compiled decode)."""
     q, latents = torch.randn(4, 8, 160), torch.randn(4, 24, 160)

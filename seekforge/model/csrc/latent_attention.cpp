@@ -4,8 +4,9 @@
 // first `length` latent rows [c_kv | k_pe] (D wide); the values are the first R columns (c_kv). Per sequence:
 // the M x length scores (two latent rows at a time against every query row, fp32 accumulators), a softmax
 // per row, then the weighted sum (32 columns at a time, every query row), so each latent row is read from
-// memory once and stays in the caches for both passes. Sequences are split over the threads. bf16 latents
-// are widened to fp32 as they are loaded; all arithmetic is fp32.
+// memory once and stays in the caches for both passes. Sequences are split over the threads, and with fewer
+// sequences than threads each sequence's latents too (MIN_PART_ROWS). bf16 latents are widened to fp32 as they are
+// loaded; all arithmetic is fp32.
 //
 // PyTorch's flash kernel runs the same shapes as two small GEMM calls per sequence (M = 8 rows for the
 // `small` preset), whose per-call costs dominate at decode sizes; see kernels.py for the measurements.
@@ -13,6 +14,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <immintrin.h>
+#include <algorithm>
 #include <cmath>
 #include <type_traits>
 #include <vector>
@@ -109,8 +111,9 @@ void weighted_sum_block(const float* p, int64_t pld, const T* lat, int64_t ld, i
   }
 }
 
-// each of the M rows of S scores → its softmax, in place
-void softmax_rows(float* scores, int64_t M, int64_t S) {
+// each of the M rows of S scores → exp(score - the row's max), in place; stats[2m], stats[2m + 1]: row m's max and
+// the sum of its exps
+void exp_rows(float* scores, int64_t M, int64_t S, float* stats) {
   for (int64_t m = 0; m < M; ++m) {
     float* x = scores + m * S;
     float mx = -INFINITY;
@@ -129,22 +132,34 @@ void softmax_rows(float* scores, int64_t M, int64_t S) {
       _mm512_mask_storeu_ps(x + s, k, e);
       vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(k, e));
     }
-    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(vsum));
-    for (s = 0; s + 16 <= S; s += 16) _mm512_storeu_ps(x + s, _mm512_mul_ps(_mm512_loadu_ps(x + s), inv));
-    for (; s < S; ++s) x[s] *= _mm512_cvtss_f32(inv);
+    stats[2 * m] = mx;
+    stats[2 * m + 1] = _mm512_reduce_add_ps(vsum);
   }
 }
 
+// M query rows attend to the S latent rows at `lat` (a sequence, or a part of one): out (M, R) = the latents summed
+// with weights exp(score - max), and per row its max and the weights' sum in `stats` (exp_rows), which the parts
+// of a sequence are merged and normalized by (latent_attention). No rows: zeros, max -inf.
 template <typename T>
-void one_sequence(const float* q, const T* lat, int64_t ld, int64_t M, int64_t S, int64_t D, int64_t R, float scale,
-                  float* scores, float* out) {
+void attend_part(const float* q, const T* lat, int64_t ld, int64_t M, int64_t S, int64_t D, int64_t R, float scale,
+                 float* scores, float* out, float* stats) {
+  if (S == 0) {
+    std::fill(out, out + M * R, 0.f);
+    for (int64_t m = 0; m < M; ++m) stats[2 * m] = -INFINITY, stats[2 * m + 1] = 0.f;
+    return;
+  }
   int64_t m = 0;
   for (; m + 8 <= M; m += 8) scores_block<8>(q + m * D, lat, ld, S, D, scale, scores + m * S, S);
   for (; m < M; ++m) scores_block<1>(q + m * D, lat, ld, S, D, scale, scores + m * S, S);
-  softmax_rows(scores, M, S);
+  exp_rows(scores, M, S, stats);
   for (m = 0; m + 8 <= M; m += 8) weighted_sum_block<8>(scores + m * S, S, lat, ld, S, R, out + m * R);
   for (; m < M; ++m) weighted_sum_block<1>(scores + m * S, S, lat, ld, S, R, out + m * R);
 }
+
+// Fewer sequences than threads (batch-1 decode above all): each sequence's latent rows are split into parts, at
+// least MIN_PART_ROWS each, attended to by as many threads and merged (flash-decoding's split of the keys). One
+// thread over 4,096 latents would leave the others idle through most of a long-context step.
+constexpr int64_t MIN_PART_ROWS = 256;
 
 // q (B, M, D), latents (B, S, D) with contiguous rows, lengths (B,) int64 or none (all S) → (B, M, R) in q's dtype
 at::Tensor latent_attention(const at::Tensor& q, const at::Tensor& latents, const c10::optional<at::Tensor>& lengths,
@@ -157,11 +172,14 @@ at::Tensor latent_attention(const at::Tensor& q, const at::Tensor& latents, cons
               "latent_attention: fp32 or bf16 latents");
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "latent_attention: fp32 or bf16 q");
   const int64_t B = q.size(0), M = q.size(1), D = q.size(2), S = latents.size(1), R = value_dim;
-  // q widened into this thread's buffer and the output summed in another (kept: a decode step makes a call a
-  // layer), then stored in q's dtype: no conversions as separate ops
-  thread_local std::vector<float> qf, of;
+  const int64_t threads = at::get_num_threads();
+  const int64_t parts = B >= threads ? 1 : std::max<int64_t>(1, std::min((threads + B - 1) / B, S / MIN_PART_ROWS));
+  // q widened into this thread's buffer, each part's output and row statistics in others (kept: a decode step
+  // makes a call a layer), then merged and stored in q's dtype: no conversions as separate ops
+  thread_local std::vector<float> qf, of, st;
   seekforge_vectors::widen_rows_any(q, B, M, D, qf);
-  of.resize(B * M * R);
+  of.resize(B * parts * M * R);
+  st.resize(B * parts * M * 2);
   at::Tensor len;
   if (lengths.has_value()) len = lengths->to(at::kLong).contiguous();
   const int64_t* lp = len.defined() ? len.data_ptr<int64_t>() : nullptr;
@@ -169,22 +187,43 @@ at::Tensor latent_attention(const at::Tensor& q, const at::Tensor& latents, cons
     using T = std::remove_const_t<std::remove_pointer_t<decltype(base)>>;
     const int64_t bs = latents.stride(0), rs = latents.stride(1);
     const float* qp = qf.data();
-    float* op = of.data();
-    at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+    float *op = of.data(), *sp = st.data();
+    at::parallel_for(0, B * parts, 1, [&](int64_t i0, int64_t i1) {
       thread_local std::vector<float> scores;
-      scores.resize(M * S);
-      for (int64_t b = b0; b < b1; ++b) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t b = i / parts, k = i % parts;
         const int64_t s = lp ? std::min<int64_t>(lp[b], S) : S;
-        one_sequence<T>(qp + b * M * D, base + b * bs, rs, M, s, D, R, (float)scale, scores.data(), op + b * M * R);
+        const int64_t chunk = (s + parts - 1) / parts, first = std::min(s, k * chunk);
+        const int64_t rows = std::min(s, first + chunk) - first;
+        scores.resize(M * rows);
+        attend_part<T>(qp + b * M * D, base + b * bs + first * rs, rs, M, rows, D, R, (float)scale, scores.data(),
+                       op + i * M * R, sp + i * M * 2);
       }
     });
   };
   if (latents.scalar_type() == at::kBFloat16) run(latents.data_ptr<c10::BFloat16>());
   else run(latents.data_ptr<float>());
   at::Tensor out = at::empty({B, M, R}, q.options());
-  auto store = [&](auto* dst) {
+  auto store = [&](auto* dst) {  // Σ_k e^(max_k - max) out_k / Σ_k e^(max_k - max) sum_k over a sequence's parts
     using T = std::remove_pointer_t<decltype(dst)>;
-    for (int64_t i = 0; i < B * M * R; ++i) dst[i] = static_cast<T>(of[i]);
+    std::vector<float> merged(R);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t m = 0; m < M; ++m) {
+        float mx = -INFINITY, total = 0.f;
+        for (int64_t k = 0; k < parts; ++k) mx = std::max(mx, st[((b * parts + k) * M + m) * 2]);
+        std::fill(merged.begin(), merged.end(), 0.f);
+        for (int64_t k = 0; k < parts; ++k) {
+          const float* stats = &st[((b * parts + k) * M + m) * 2];
+          if (stats[1] == 0.f) continue;  // a part without rows
+          const float w = std::exp(stats[0] - mx);
+          total += w * stats[1];
+          const float* part = &of[((b * parts + k) * M + m) * R];
+          for (int64_t r = 0; r < R; ++r) merged[r] += w * part[r];
+        }
+        T* row = dst + (b * M + m) * R;
+        const float inv = total > 0.f ? 1.f / total : 0.f;  // no latents at all (length 0): zeros
+        for (int64_t r = 0; r < R; ++r) row[r] = static_cast<T>(merged[r] * inv);
+      }
   };
   if (q.scalar_type() == at::kBFloat16) store(out.data_ptr<c10::BFloat16>());
   else store(out.data_ptr<float>());
