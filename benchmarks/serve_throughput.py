@@ -2,6 +2,7 @@
 
     python benchmarks/serve_throughput.py            # small preset, 64 x (128 prompt + 128 new)
     python benchmarks/serve_throughput.py --skip-hf --set hidden_size=1024 --set num_hidden_layers=8   # a larger model
+    python benchmarks/serve_throughput.py --batch1-context 4096 --set max_position_embeddings=8192  # long context
 
 1. Batch throughput: N requests of P random prompt tokens, G new tokens each (ignore_eos, so every
    request generates exactly G), greedy. seekforge: `LLM.generate` (continuous batching, paged latent
@@ -10,7 +11,8 @@
 2. Single-request decode latency (ms/token after the first token), both (seekforge's one-sequence steps
    compiled, EngineConfig.compile, and eager: `--eager` runs without compile), plus seekforge's reference
    single-sequence `generate` for scale, and the weight-streaming bound: the bytes of weights one
-   token reads (active parameters: K of the E routed experts, one embedding row) ÷ the bandwidth a
+   token reads (active parameters: K of the E routed experts, one embedding row), plus the latents of its
+   context (`--batch1-context`: the request's prompt length; ~0.7% of the bytes at 128 tokens) ÷ the bandwidth a
    one-row linear layer streams from a weight as large as the model's weights (machine.py), probed right
    after each of `--bound-rounds` engine trials (7); the engine / bound ratio is the median of their ratios.
 3. Shared-prefix workload: N requests = one long common prefix + a short unique suffix, after one
@@ -77,6 +79,9 @@ def main():
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--batch1-context", type=int, default=None,
+                   help="prompt tokens of the batch-1 request (default: --prompt-len); past the preset's "
+                        "max_position_embeddings, raise it with --set max_position_embeddings=N")
     p.add_argument("--prefix-len", type=int, default=448, help="shared-prefix workload: common prefix")
     p.add_argument("--suffix-len", type=int, default=64, help="shared-prefix workload: unique suffix")
     p.add_argument("--prefix-new-tokens", type=int, default=16)
@@ -91,12 +96,16 @@ def main():
                         "compiled, and the eager engine's batch-1 time is printed beside them)")
     dtype_arg(p)
     args = p.parse_args()
+    context = args.batch1_context or args.prompt_len
     if args.bound_rounds < 1:
         p.error(f"--bound-rounds {args.bound_rounds}: give at least 1 (each round is a batch-1 trial and a probe)")
     try:
         cfg = preset(args.preset, **parse_overrides(args.overrides))
     except (TypeError, ValueError) as e:
         p.error(f"--preset {args.preset} with --set {args.overrides}: {e}")
+    if context + args.new_tokens > cfg.max_position_embeddings:
+        p.error(f"--batch1-context {context} + --new-tokens {args.new_tokens} exceeds max_position_embeddings="
+                f"{cfg.max_position_embeddings}; add --set max_position_embeddings={context + args.new_tokens}")
     torch.set_num_threads(args.threads)
     dtype, _ = machine_header(args.dtype, hidden_size=cfg.hidden_size)
     # The peer gets the same weights, its logits checked in fp32 before it is cast to the measured dtype;
@@ -140,11 +149,15 @@ def main():
                   "order of summation flips" if differ else "") + ")")
 
     # -- 2. single-request decode latency (best of 3: the box is shared, the minimum is the least noisy)
-    one = prompts[:1]
+    one = prompts[:1] if context == args.prompt_len else torch.randint(0, vocab, (1, context), generator=g)
     decode = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
     first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 
     def per_token_ms(run_one, run_all, trials: int = 3):
+        # once first: an engine's prefix cache then holds the prompt for both timed runs alike, so that their
+        # difference is decoding alone (else a first run's full prefill against a cached one skews it, by the
+        # prompt's prefill time / (new - 1): enough to go negative at 4,096 prompt tokens)
+        run_one()
         times = []
         for _ in range(trials):
             _, t1 = timed(run_one)
@@ -159,7 +172,7 @@ def main():
     sf_ms = engine_ms(llm)
     ref_ms = per_token_ms(lambda: generate(model, one[0].tolist(), 1), lambda: generate(model, one[0].tolist(), new))
     how = "" if args.eager else ", compiled"
-    print(f"[latency] seekforge engine      : {sf_ms:6.2f} ms/token (batch 1 decode{how})")
+    print(f"[latency] seekforge engine      : {sf_ms:6.2f} ms/token (batch 1 decode{how}, {context} prompt tokens)")
     if not args.eager:
         print(f"[latency] seekforge engine, eager: {engine_ms(LLM(model, tok)):6.2f} ms/token")
     print(f"[latency] seekforge generate()  : {ref_ms:6.2f} ms/token (reference loop, contiguous cache)")
@@ -169,7 +182,12 @@ def main():
         print(f"[latency] ratio seekforge / transformers = {sf_ms / hf_ms:.2f} (lower is better)")
     # The bound, probed right after each of --bound-rounds more engine trials: this machine's bandwidth moves by
     # ±25% within seconds, so each trial is set against the bandwidth of its moment; the median ratio is printed.
-    active = weight_bytes_per_token(model.cfg, dtype)
+    # a decode step reads the active weights and every latent of the context so far ((kv_lora_rank + rope dim) per
+    # layer and token, in the cache's dtype): over the `new` steps, context + new/2 on average
+    weights = weight_bytes_per_token(model.cfg, dtype)
+    latents = int((context + new / 2) * (model.cfg.kv_lora_rank + model.cfg.qk_rope_head_dim)
+                  * model.cfg.num_hidden_layers * torch.tensor([], dtype=dtype).element_size())
+    active = weights + latents
     total = sum(p.nbytes for p in model.parameters())
     rounds = []
     for _ in range(args.bound_rounds):
@@ -178,7 +196,8 @@ def main():
     ratios = [ms / (1000 * active / bandwidth) for ms, bandwidth in rounds]
     bandwidth = statistics.median(b for _, b in rounds)
     bound_ms = 1000 * active / bandwidth
-    print(f"[latency] weight-streaming bound: {active / 1e6:.1f} MB of weights per token / {bandwidth / 1e9:.1f} GB/s "
+    print(f"[latency] weight-streaming bound: {weights / 1e6:.1f} MB of weights + {latents / 1e6:.1f} MB of latents "
+          f"per token / {bandwidth / 1e9:.1f} GB/s "
           f"(one-row linear over {total / 1e6:.0f} MB, {str(dtype).removeprefix('torch.')}; median of "
           f"{len(rounds)} probes) = {bound_ms:.2f} ms/token")
     print(f"[latency] seekforge engine / bound = {statistics.median(ratios):.2f}x (target <= 1.5; median of "
