@@ -45,7 +45,7 @@ from seekforge.rl.update import LossSettings, TrainingBatch, accumulate_gradient
 from seekforge.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from seekforge.train.master import MasterWeights, can_use_master_weights
 from seekforge.train.metrics import MetricsLogger
-from seekforge.train.optim import build_optimizer, clip_grad_norm
+from seekforge.train.optim import build_optimizer, clip_grad_norm, follow_schedule
 
 
 class PromptStream:
@@ -151,6 +151,7 @@ class GRPOTrainer:
         if path is None:
             return False
         self.step_count = load_checkpoint(path, self.policy, self.optimizer, self.scheduler, self.prompt_stream)
+        follow_schedule(self.optimizer, self.scheduler, self.cfg.lr)
         self._weights_updated()
         return True
 

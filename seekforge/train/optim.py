@@ -38,6 +38,19 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig):
     return optimizer, scheduler
 
 
+def follow_schedule(optimizer, scheduler, lr: float) -> None:
+    """After a checkpoint is loaded: the schedule is this run's (peak `lr`, the scheduler's factors from its config),
+    from the step reached. The checkpoint's scheduler holds the saved run's peak lr and its optimizer the lr of the
+    saved run's next step, which would mix the two schedules where a resume changes them (a longer run, another
+    lr). The lr is computed as LambdaLR does (base · factor), so that an unchanged run resumes bit for bit."""
+    scheduler.base_lrs = [lr] * len(optimizer.param_groups)
+    lrs = [base * factor(scheduler.last_epoch) for base, factor in zip(scheduler.base_lrs, scheduler.lr_lambdas,
+                                                                        strict=True)]
+    for group, group_lr in zip(optimizer.param_groups, lrs, strict=True):
+        group["initial_lr"], group["lr"] = lr, group_lr
+    scheduler._last_lr = lrs
+
+
 def clip_grad_norm(parameters, max_norm: float, pp_group=None, duplicates: set[int] = frozenset()) -> torch.Tensor:
     """Scale all gradients by min(1, max_norm / ‖g‖) where ‖g‖ is the global L2 norm over every
     parameter; returns ‖g‖ (a plain scalar tensor). Sharded gradients (FSDP, TP, EP DTensors) count

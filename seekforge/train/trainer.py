@@ -45,7 +45,7 @@ from seekforge.train.checkpoint import latest_checkpoint, load_checkpoint, save_
 from seekforge.train.flops import flops_per_token, measure_peak_flops, model_flops_utilization
 from seekforge.train.master import MasterWeights, can_use_master_weights
 from seekforge.train.metrics import MetricsLogger, plot_loss_curve
-from seekforge.train.optim import build_optimizer, clip_grad_norm
+from seekforge.train.optim import build_optimizer, clip_grad_norm, follow_schedule
 from seekforge.train.watchdog import collective_failure
 
 
@@ -126,17 +126,8 @@ class Trainer:
         self.step = load_checkpoint(path, self.modules, self.optimizers, self.schedulers[0], self.loader)
         for scheduler in self.schedulers[1:]:  # every stage follows the same schedule
             scheduler.load_state_dict(self.schedulers[0].state_dict())
-        # The schedule is this run's config's (lr, min_lr, warmup, steps…), from the step reached: the checkpoint's
-        # scheduler state holds the saved run's peak lr and its optimizer the lr of the saved run's next step, which
-        # would otherwise mix the two schedules when a resume changes them (a longer run, another lr).
         for optimizer, scheduler in zip(self.optimizers, self.schedulers, strict=True):
-            scheduler.base_lrs = [self.cfg.lr] * len(optimizer.param_groups)
-            # as LambdaLR computes it (base · factor), so that an unchanged run resumes bit for bit
-            lrs = [base * factor(scheduler.last_epoch) for base, factor in zip(scheduler.base_lrs,
-                                                                                scheduler.lr_lambdas, strict=True)]
-            for group, lr in zip(optimizer.param_groups, lrs, strict=True):
-                group["initial_lr"], group["lr"] = self.cfg.lr, lr
-            scheduler._last_lr = lrs
+            follow_schedule(optimizer, scheduler, self.cfg.lr)
         self._iterator = iter(self.loader)
         return True
 
