@@ -79,7 +79,11 @@ def _document_text(line: str, line_number: int, key: str) -> str:
     if not isinstance(record, dict) or key not in record:
         keys = list(record) if isinstance(record, dict) else type(record).__name__
         raise ValueError(f"{_worker['input_name']}:{line_number}: no {key!r} field (has {keys}); pass --json-key")
-    return str(record[key])
+    text = record[key]
+    if not isinstance(text, str):
+        raise ValueError(f"{_worker['input_name']}:{line_number}: the {key!r} field is a {type(text).__name__}, not "
+                         "text; fix the line, or pass --json-key for the field that holds the document")
+    return text
 
 
 def _chunks(path: Path):
@@ -126,6 +130,11 @@ def preprocess(input_path: str | Path, tokenizer_name: str, prefix: str, json_ke
             bar.update(sum(map(len, documents)))
             bar.set_postfix_str(f"{num_documents} docs", refresh=False)
         bin_file, idx_file = builder.finalize()
+    if num_documents == 0:  # a dataset of nothing would fail later, at training time, less clearly
+        for f in (bin_file, idx_file):
+            Path(f).unlink(missing_ok=True)
+        raise ValueError(f"--input {input_path} holds no documents (every line is empty"
+                         f"{'' if input_path.suffix == '.txt' else ' or its text is'}); nothing was written")
     return {"documents": num_documents, "tokens": builder.num_tokens, "dtype": builder.dtype.name,
             "seconds": time.perf_counter() - start, "prefix": out, "files": [str(bin_file), str(idx_file)]}
 

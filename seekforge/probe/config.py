@@ -62,7 +62,7 @@ class MonitorConfig:
 
 @dataclass
 class TraceConfig:
-    port: int | None = None  # serve /metrics (Prometheus) and POST /trace?steps=N here; None: no server
+    port: int | None = None  # serve /metrics (Prometheus) and POST /debug/trace?steps=N here; None: no server
     steps: int = 3  # steps traced per request when the request names no count
     signal: bool = True  # SIGUSR2 requests a trace (main thread only)
 

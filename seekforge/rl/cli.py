@@ -145,6 +145,9 @@ def _grpo(cfg: GRPOConfig) -> None:
         f"rewards {dict(zip(cfg.rewards, cfg.reward_weights, strict=True))}"
         + (f"; {dist.get_world_size()} data-parallel ranks" if dist.is_initialized() else ""))
     say(f"compute dtype: {trainer.dtype_reason}")
+    if trainer.step_count >= cfg.steps:
+        say(f"nothing to train: {out_dir} already holds step {trainer.step_count}/{cfg.steps} (--steps N to go on, "
+            "--no-resume restarts)")
     trainer.fit()
     if not is_main:
         return

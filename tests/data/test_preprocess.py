@@ -64,6 +64,13 @@ def test_bad_input_names_the_line(tmp_path):
     path.write_text('{"content": "ok"}\n')
     with pytest.raises(ValueError, match=r"no 'text' field \(has \['content'\]\); pass --json-key"):
         preprocess(path, "byte", str(tmp_path / "b"), progress=False)
+    path.write_text('{"text": 123}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: the 'text' field is a int, not text"):
+        preprocess(path, "byte", str(tmp_path / "b"), progress=False)
+    path.write_text('\n{"text": ""}\n')
+    with pytest.raises(ValueError, match=r"holds no documents"):
+        preprocess(path, "byte", str(tmp_path / "b"), progress=False)
+    assert [p.name for p in tmp_path.iterdir()] == ["bad.jsonl"]
 
 
 def test_hf_tokenizer(tmp_path, corpus):

@@ -64,3 +64,5 @@ def test_short_run_end_to_end_and_resume(tmp_path, capsys):
                 "response_length", "rollout_tokens_per_s", "train_tokens_per_s"):
         assert key in records[-1], key
     assert json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["step"] == 0
+    main([*common, "--steps", "3"])  # finished: says so, trains nothing
+    assert "nothing to train" in capsys.readouterr().out and len(read_metrics(out / "metrics.jsonl")) == 4
