@@ -11,6 +11,7 @@ import dataclasses
 import json
 import math
 import re
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -262,6 +263,26 @@ PRESETS: dict[str, dict[str, Any]] = {
                                   "mscale_all_dim": 0.707}),
     "v3-671b": dict(max_position_embeddings=163840, rope_scaling=_V3_YARN),
 }
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """A YAML or TOML config file (pretrain's, GRPO's) → its mapping; a clear error for anything else."""
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"config file {path} does not exist")
+    text = path.read_text()
+    try:
+        if path.suffix == ".toml":
+            raw = tomllib.loads(text)
+        elif path.suffix in (".yaml", ".yml"):
+            raw = yaml.safe_load(text) or {}
+        else:
+            raise ValueError(f"config file {path}: use a .yaml, .yml or .toml extension")
+    except (tomllib.TOMLDecodeError, yaml.YAMLError) as e:
+        raise ValueError(f"config file {path} does not parse: {e}") from e
+    if not isinstance(raw, dict):
+        raise ValueError(f"config file {path} must hold a mapping of TrainConfig keys")
+    return raw
 
 
 def preset(name: str, **overrides) -> ModelConfig:

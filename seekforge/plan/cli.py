@@ -10,17 +10,27 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 from pathlib import Path
 
-from seekforge.config import PRESETS, ModelConfig, ParallelConfig, parse_bytes, parse_parallel, preset
+from seekforge.config import (
+    PRESETS,
+    ModelConfig,
+    ParallelConfig,
+    TrainConfig,
+    parse_bytes,
+    parse_parallel,
+    preset,
+    read_config_file,
+)
 
 GiB = 2**30
 
 
 def add_arguments(p):
-    sub = p.add_subparsers(dest="what", required=True, metavar="{memory,schedule,balance,search}")
-    add_parser = sub.add_parser
-    sub.add_parser = lambda *a, **k: add_parser(*a, formatter_class=argparse.ArgumentDefaultsHelpFormatter, **k)
+    sub = p.add_subparsers(dest="what", required=True, metavar="{memory,schedule,balance,search}",
+                           parser_class=functools.partial(argparse.ArgumentParser,
+                                                          formatter_class=argparse.ArgumentDefaultsHelpFormatter))
     memory = sub.add_parser("memory", help="peak memory per rank class of one training step")
     _model_args(memory)
     memory.add_argument("--parallel", default="", metavar="KEY=VALUE,...", help="ParallelConfig keys, as pretrain")
@@ -87,15 +97,8 @@ def _model(args) -> ModelConfig:
         return preset(args.preset)
     path = Path(args.config)
     if path.suffix in (".yaml", ".yml", ".toml"):  # a pretrain config: the model it trains
-        if path.suffix == ".toml":
-            import tomllib
-
-            raw = tomllib.loads(path.read_text())
-        else:
-            import yaml
-
-            raw = yaml.safe_load(path.read_text()) or {}
-        return preset(raw.get("preset", "small"), **raw.get("model", {}))
+        raw = read_config_file(path)
+        return preset(raw.get("preset", TrainConfig.preset), **raw.get("model", {}))
     return ModelConfig.from_hf(path)
 
 

@@ -8,13 +8,12 @@ raise ValueError naming the key, so a typo never silently trains the default.
 from __future__ import annotations
 
 import dataclasses
-import tomllib
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from seekforge.config import TrainConfig
+from seekforge.config import TrainConfig, read_config_file
 
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 _TABLES = ("model", "parallel")  # nested mappings; a file's table and the overrides' merge key by key
@@ -31,25 +30,6 @@ def load_train_config(path: str | Path | None = None, overrides: list[str] | dic
     raw.update(updates)
     raw.update({key: table for key, table in tables.items() if table})
     return train_config_from_dict(raw)
-
-
-def read_config_file(path: str | Path) -> dict[str, Any]:
-    path = Path(path)
-    if not path.exists():
-        raise ValueError(f"config file {path} does not exist")
-    text = path.read_text()
-    try:
-        if path.suffix == ".toml":
-            raw = tomllib.loads(text)
-        elif path.suffix in (".yaml", ".yml"):
-            raw = yaml.safe_load(text) or {}
-        else:
-            raise ValueError(f"config file {path}: use a .yaml, .yml or .toml extension")
-    except (tomllib.TOMLDecodeError, yaml.YAMLError) as e:
-        raise ValueError(f"config file {path} does not parse: {e}") from e
-    if not isinstance(raw, dict):
-        raise ValueError(f"config file {path} must hold a mapping of TrainConfig keys")
-    return raw
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:
