@@ -5,7 +5,7 @@ model (the `small` preset with kv_lora_rank 512 and qk_rope_head_dim 64, as serv
   projections, dense and shared MLPs, one expert, the LM head), each call on another copy of the weight, so the
   weight streams from memory as a decode step's do (the copies together are larger than the last-level cache);
 - MLA's absorbed per-head products at one decode row: `kernels.bmm` / `kernels.bmm_t` vs torch.bmm on the views
-  MLA.kv_b_weights makes (one per layer of the model, cycled);
+  MLA.kv_b_weights makes, each call on another copy of kv_b_proj's weight (from memory, as for the linears);
 - decode attention over latents: 64 sequences × 192 latents, one layer, vs PyTorch's fused attention as MLA runs
   it without the kernel.
 
@@ -76,12 +76,14 @@ def main() -> None:
             row(f"linear 1 × {k} → {n}", weights[0].nbytes, kernels.linear, F.linear, [(x, w) for w in weights])
         attn = model.layers[0].self_attn
         nh, dn, r = attn.num_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
-        per_layer = [layer.self_attn.kv_b_weights() for layer in model.layers] * 4
+        kv_b = attn.kv_b_proj.weight  # copies of it, split per head as MLA does (views with a gap between heads)
+        copies = torch.randn(max(4, STREAM_BYTES // kv_b.nbytes), *kv_b.shape, generator=gen).to(dtype)
+        per_copy = [attn.kv_b_weights(w) for w in copies]
         q, latent = torch.randn(nh, 1, dn, generator=gen).to(dtype), torch.randn(nh, 1, r, generator=gen).to(dtype)
-        row(f"absorbed keys {nh} × (1 × {dn} → {r})", per_layer[0][0].numel() * dtype.itemsize, kernels.bmm,
-            torch.bmm, [(q, w_uk) for w_uk, _ in per_layer])
-        row(f"absorbed values {nh} × (1 × {r} → {cfg.v_head_dim})", per_layer[0][1].numel() * dtype.itemsize,
-            kernels.bmm_t, lambda x, w: torch.bmm(x, w.transpose(1, 2)), [(latent, w_uv) for _, w_uv in per_layer])
+        row(f"absorbed keys {nh} × (1 × {dn} → {r})", per_copy[0][0].numel() * dtype.itemsize, kernels.bmm,
+            torch.bmm, [(q, w_uk) for w_uk, _ in per_copy])
+        row(f"absorbed values {nh} × (1 × {r} → {cfg.v_head_dim})", per_copy[0][1].numel() * dtype.itemsize,
+            kernels.bmm_t, lambda x, w: torch.bmm(x, w.transpose(1, 2)), [(latent, w_uv) for _, w_uv in per_copy])
         seqs, length, width = 64, 192, r + cfg.qk_rope_head_dim
         latents = torch.randn(seqs, length, width, generator=gen).to(dtype)
         queries = torch.randn(seqs, nh, width, generator=gen).to(dtype)
