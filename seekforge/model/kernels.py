@@ -21,8 +21,9 @@ heads) into contiguous ones at every call, which the kernel reads in place. A to
 call per projection over the stacked experts' weights (linear_rows_indexed), which reads the chosen ones in place:
 a MoE layer of the `small` preset at batch 1 took 242-284 against 356-407 µs eager with a call per expert (1
 thread). Each thread requests its weight stream 8 KiB ahead of its reads (the hardware prefetchers start every
-small weight cold): batch-1 decode of the `small` preset went from 1.9-3.0 to 1.3-2.1 ms/token (bf16, 1 thread,
-7 alternating runs of each build).
+small weight cold), the absorbed key products included (they read a (64, r) block per head: from memory 23-28
+µs a call on `small` without, 9-11 with): batch-1 decode of the `small` preset went from 1.9-3.0 to 1.3-2.1
+ms/token (bf16, 1 thread, 7 alternating runs of each build).
 
 On CPUs with AMX PyTorch's kernels run bf16 on AMX tiles (decode attention ~1.2 ms a layer on the AMX machine
 BENCHMARKS.md was measured on); these kernels have no AMX path and are not used there.
