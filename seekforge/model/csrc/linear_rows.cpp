@@ -26,9 +26,9 @@ using seekforge_vectors::columns;
 using seekforge_vectors::load16;
 
 // A thread's weight stream is requested PREFETCH_BYTES ahead of its reads. The hardware prefetchers alone
-// start each small weight cold and fall behind: the row kernel read a `small` expert's 0.26 MB at 16-21 GB/s
-// and 4 MB at 29-30, against 24-26 and 34-37 with 8 KiB requested ahead (bf16, 1 thread, each weight from
-// memory, 9 alternating rounds; 4 KiB: +5-15%, 16 KiB no better than 8). The stream is the rows of one
+// start each small weight cold and fall behind: the row kernel read a `small` expert's 0.26 MB at 16-24 GB/s
+// and 4 MB at 29-30, against 25-28 and 34-37 with 8 KiB requested ahead (bf16, 1 thread, each weight from
+// memory, 5-9 alternating rounds; 4 KiB ahead gained less, 16 KiB no more). The stream is the rows of one
 // weight, then the next weight the thread reads (a token's next expert), if any.
 constexpr int64_t PREFETCH_BYTES = 8192;
 
@@ -195,9 +195,9 @@ void run(const Operands& o, float* out) {
         if (o.transposed) {
           const int64_t j = i + 1;  // the chunk this thread reads next, if any
           const T* next = j < e ? weight(j / items) + (j % items) * width : nullptr;
-          if (i == b) {
+          if (i == b) {  // the chunk's first rows, which column_chunk requests no further
             for (int64_t d = 0; d < std::min<int64_t>(K, PREFETCH_BYTES / (width * int64_t(sizeof(T)))); ++d)
-              prefetch_head(wg + d * N + n, std::min(width, N - n) * int64_t(sizeof(T)));
+              prefetch_bytes(wg + d * N + n, std::min(width, N - n) * int64_t(sizeof(T)));
           }
           column_chunk_any<T>(mb, xg, wg, K, N, n, N, og, N, next);
           continue;
