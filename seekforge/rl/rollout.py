@@ -44,7 +44,7 @@ class Rollout:
         for i, prompt in enumerate(prompts):
             params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature,
                                     seed=None if seeds is None else seeds[i])
-            ids.append(engine.add(engine.make_request(prompt, params)))
+            ids.append(engine.add(engine.make_request(prompt, params, final_only=True)))
         done = {}
         while len(done) < len(ids):
             for out in engine.step():

@@ -48,8 +48,8 @@ CONTROL_TIMEOUT = datetime.timedelta(days=30)
 class Commands:
     """What rank 0 tells every rank before a step."""
 
-    adds: list[tuple[int, str, list[int], SamplingParams, str | None]] = field(default_factory=list)
-    # (replica, request id, prompt token ids, params, cache salt)
+    adds: list[tuple[int, str, list[int], SamplingParams, str | None, bool]] = field(default_factory=list)
+    # (replica, request id, prompt token ids, params, cache salt, final only)
     aborts: list[tuple[int, str]] = field(default_factory=list)  # (replica, request id)
     reset_prefix_cache: bool = False
     stop: bool = False
@@ -137,10 +137,10 @@ class RankEngine:
     def _lead(self, commands: Commands):
         engine, me = self.engine, self.groups.dp_rank
         failed = []
-        for replica, request_id, prompt_ids, params, cache_salt in commands.adds:
+        for replica, request_id, prompt_ids, params, cache_salt, final_only in commands.adds:
             if replica == me:
                 try:
-                    engine.add(engine.make_request(prompt_ids, params, request_id, cache_salt))
+                    engine.add(engine.make_request(prompt_ids, params, request_id, cache_salt, final_only=final_only))
                 except ValueError as e:  # rank 0 validated it with the same config: not expected
                     failed.append((request_id, prompt_ids, str(e)))
         for replica, request_id in commands.aborts:
@@ -213,7 +213,8 @@ class DistributedEngine:
             load[replica] += 1
         replica = min(range(self.num_replicas), key=load.__getitem__)  # least loaded, lowest first
         seq = request.seqs[0]
-        self.pending.adds.append((replica, request.request_id, request.prompt_token_ids, seq.params, seq.cache_salt))
+        self.pending.adds.append((replica, request.request_id, request.prompt_token_ids, seq.params, seq.cache_salt,
+                                  request.final_only))
         self.owner[request.request_id] = replica
         return request.request_id
 
@@ -252,7 +253,8 @@ class DistributedEngine:
 
     def generate(self, prompts: list, params: list[SamplingParams]) -> list[RequestOutput]:
         """Offline: every prompt (text or token ids) to completion, outputs in prompt order."""
-        return self.drain([self.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)])
+        return self.drain([self.add(self.make_request(p, sp, final_only=True)) for p, sp in zip(prompts, params,
+                                                                                              strict=True)])
 
     def drain(self, ids: list[str]) -> list[RequestOutput]:
         """Step until the requests `ids` finish → their final outputs, in that order."""

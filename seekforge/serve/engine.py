@@ -80,6 +80,9 @@ class Request:
     prompt_token_ids: list[int]
     seqs: list[Sequence]
     detokenizers: list[IncrementalDetokenizer]  # one per sequence: its output text
+    # only the finished request's output is wanted (vLLM's RequestOutputKind.FINAL_ONLY: `generate`, a rollout, a
+    # non-streaming completion): no cumulative output per step, whose token ids, text and logprobs are copies
+    final_only: bool = False
 
 
 class LLMEngine:
@@ -114,9 +117,10 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
     def make_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                      request_id: str | None = None, cache_salt: str | None = None,
-                     lora_name: str | None = None) -> Request:
+                     lora_name: str | None = None, final_only: bool = False) -> Request:
         """Validate and tokenize, touching no engine state (safe from any thread). `lora_name`: a loaded
-        LoRA adapter to run the request with (None: the base model)."""
+        LoRA adapter to run the request with (None: the base model). `final_only`: `step` returns the request's
+        output once, when it finishes (else every step it got tokens in)."""
         params = params or SamplingParams()
         lora = self._lora(lora_name)
         if isinstance(prompt, str):  # a BOS only if training put one there (the tokenizer's add_bos_token)
@@ -150,9 +154,8 @@ class LLMEngine:
         if params.structured is not None:
             for seq in seqs:  # matcher state is per sequence: each of the n completions advances its own
                 seq.matcher = self.grammars.matcher(params.structured)
-        return Request(request_id, prompt_ids, seqs, [IncrementalDetokenizer(self.tokenizer, params.stop,
-                                                                             params.skip_special_tokens)
-                                                      for _ in seqs])
+        detokenizers = [IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens) for _ in seqs]
+        return Request(request_id, prompt_ids, seqs, detokenizers, final_only)
 
     def add(self, request: Request) -> str:
         if request.request_id in self.requests:
@@ -213,7 +216,8 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
-        """Run one batch; return the (cumulative) outputs of requests that got tokens or finished."""
+        """Run one batch; return the (cumulative) outputs of requests that got tokens or finished (of a
+        `final_only` request, only once it finished)."""
         batch = self.scheduler.schedule()
         if not batch.seqs:
             assert not self.scheduler.running, "scheduled nothing while sequences run"
@@ -251,6 +255,8 @@ class LLMEngine:
     def _outputs(self, touched: dict[str, Request]) -> list[RequestOutput]:
         outputs = []
         for request in touched.values():
+            if request.final_only and not all(s.is_finished for s in request.seqs):
+                continue
             out = self._output(request)
             if out.finished:
                 del self.requests[request.request_id]
@@ -397,7 +403,7 @@ class LLM:
                              "one per prompt")
         engine = self.engine
         loras = lora_name if isinstance(lora_name, list) else [lora_name] * len(prompts)
-        requests = [engine.make_request(p, sp, lora_name=lora)
+        requests = [engine.make_request(p, sp, lora_name=lora, final_only=True)
                     for p, sp, lora in zip(prompts, sampling_params, loras, strict=True)]
         return drain(engine, [engine.add(r) for r in requests])  # all validated first: a bad prompt adds nothing
 
@@ -431,10 +437,11 @@ class AsyncEngine:
 
     def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
                  request_id: str | None = None, cache_salt: str | None = None,
-                 lora_name: str | None = None) -> AsyncIterator[RequestOutput]:
+                 lora_name: str | None = None, final_only: bool = False) -> AsyncIterator[RequestOutput]:
         """Validate now (a bad request raises ValueError here, before any streaming starts) and return
-        the stream of cumulative outputs; the request starts when the stream is first awaited."""
-        return self._stream(self.engine.make_request(prompt, params, request_id, cache_salt, lora_name))
+        the stream of cumulative outputs (`final_only`: the finished output alone); the request starts when the
+        stream is first awaited."""
+        return self._stream(self.engine.make_request(prompt, params, request_id, cache_salt, lora_name, final_only))
 
     async def _stream(self, request: Request) -> AsyncIterator[RequestOutput]:
         stream: asyncio.Queue = asyncio.Queue()

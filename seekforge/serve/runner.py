@@ -314,7 +314,7 @@ class Runner:
         for seq, span in prompt:
             prompt_logits.append((seq, logits[start:start + span.stop - span.start]))
             start += span.stop - span.start
-        return logits[start:], [s for _, s in sample], prompt_logits
+        return logits[start:] if start else logits, [s for _, s in sample], prompt_logits
 
     def execute(self, chunks: list[Chunk], head_rows: list[int]) -> torch.Tensor:
         """The main model over `chunks`, then the head on flat rows `head_rows` → fp32 logits (R, V).

@@ -216,7 +216,8 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     async def completions(req: CompletionRequest, raw: Request):
         lora = check(req)
         params = req.completion_params()
-        streams = [engine.generate(p, params, cache_salt=req.cache_salt, lora_name=lora) for p in req.prompts()]
+        streams = [engine.generate(p, params, cache_salt=req.cache_salt, lora_name=lora, final_only=not req.stream)
+                   for p in req.prompts()]
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         echo_only = req.max_tokens == 0  # score the prompt: show it, not the one token the engine ran
         started: set[int] = set()  # choices whose first chunk went out (streaming: it alone has the prompt)
@@ -266,7 +267,8 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             # a named function is called once; "required" calls several if parallel_tool_calls (OpenAI)
             parallel = req.tool_choice == "required" and req.parallel_tool_calls
             params.structured = StructuredOutput(grammar=tool_call_grammar(callable_tools, parallel))
-        streams = [engine.generate(prompt_ids, params, cache_salt=req.cache_salt, lora_name=lora)]
+        streams = [engine.generate(prompt_ids, params, cache_salt=req.cache_salt, lora_name=lora,
+                                   final_only=not req.stream)]
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         tool_streams: dict[int, ToolCallStream] = {}
 

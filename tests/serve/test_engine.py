@@ -168,6 +168,23 @@ def test_streamed_text_never_shows_a_stop_string(tiny_model):
     assert all(final.startswith(t) for t in texts)  # each streamed text only grows; stop never shown
 
 
+def test_final_only_requests_output_once(llm, prompts):
+    """A final_only request (generate, rollouts, non-streaming completions) returns one output, when it finishes:
+    the same as the last of the cumulative ones a streamed request returns step by step."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=2)
+    streamed = engine.add(engine.make_request(prompts[1], params))
+    final = engine.add(engine.make_request(prompts[1], params, final_only=True))
+    outputs: dict[str, list] = {streamed: [], final: []}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs[out.request_id].append(out)
+    assert len(outputs[streamed]) == 5 and [o.finished for o in outputs[final]] == [True]
+    last, only = outputs[streamed][-1].outputs[0], outputs[final][0].outputs[0]
+    assert (only.token_ids, only.text, only.logprobs, only.finish_reason) == (
+        last.token_ids, last.text, last.logprobs, last.finish_reason)
+
+
 def test_reset_prefix_cache_after_weight_update(tiny_model, byte_tokenizer, prompts):
     model = copy.deepcopy(tiny_model)
     llm = LLM(model, byte_tokenizer, block_size=8, num_kv_blocks=128)
