@@ -35,6 +35,7 @@ Where they cannot be built, or SEEKFORGE_CPU_KERNELS=0, PyTorch's kernels run.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import logging
@@ -75,6 +76,33 @@ def load() -> bool:
 def ready() -> bool:
     """Loaded already (no build attempted here): what the hot paths ask."""
     return bool(_loaded)
+
+
+_globally_visible: set[str] = set()  # the kernels' library, once its symbols are visible to other libraries
+
+
+def c_shims() -> dict:
+    """torch.compile's `aot_inductor.custom_ops_to_c_shims` for the loaded kernels: each op → the declaration of its
+    C entry point (csrc/c_shims.h), which code generated with cpp_wrapper calls directly instead of through the
+    dispatcher by name. Empty where the kernels are not loaded, or their library is not visible to that code."""
+    if not (ready() and _globally_visible):
+        return {}
+    ops, tensor, optional = torch.ops.seekforge, "AtenTensorHandle", "AtenTensorHandle*"
+    signatures = {"linear_rows": [f"{tensor} x", f"{tensor} weight", f"{optional} bias"],
+                  "rows_times": [f"{tensor} x", f"{tensor} weight"],
+                  "linear_rows_indexed": [f"{tensor} x", f"{tensor} weight", f"{tensor} index"],
+                  "latent_attention": [f"{tensor} q", f"{tensor} latents", f"{optional} lengths", "double scale",
+                                       "int64_t value_dim"]}
+    return _ShimTable({getattr(ops, name).default: [f"AOTITorchError aoti_torch_cpu_{name}({', '.join(args)}, "
+                                                    f"{optional} ret0)"] for name, args in signatures.items()})
+
+
+class _ShimTable(dict):
+    """c_shims' table, pickled by its ops' names: inductor pickles its config into the key of its compiled-graph
+    cache, and an op itself does not pickle (with it in the config, every engine start compiled anew)."""
+
+    def __reduce__(self):
+        return dict, ({str(op): declarations for op, declarations in self.items()},)
 
 
 def attention_takes(latents: torch.Tensor) -> bool:
@@ -157,11 +185,17 @@ def build() -> bool:
     name = f"seekforge_cpu_kernels_{hashlib.sha256(text.encode()).hexdigest()[:12]}"
     log.info("loading the CPU kernels %s (the first use on a machine compiles them, ~20-60 s)", name)
     try:
-        cpp_extension.load(name, [str(s) for s in SOURCES], extra_cflags=flags, is_python_module=False,
-                           verbose=False)
+        library = cpp_extension.load(name, [str(s) for s in SOURCES], extra_cflags=flags, is_python_module=False,
+                                     verbose=False)
     except Exception as e:  # a broken toolchain must not stop serving: the fallbacks are correct, only slower
         log.warning("the CPU kernels did not build (%s): PyTorch's kernels run", e)
         return False
+    try:  # loaded with RTLD_LOCAL: made global, so that compiled code resolves the C entry points (c_shims)
+        ctypes.CDLL(library, mode=os.RTLD_GLOBAL | os.RTLD_NOLOAD)
+    except (OSError, TypeError) as e:
+        log.warning("compiled steps call the CPU kernels through the dispatcher (%s)", e)
+    else:
+        _globally_visible.add(library)
 
     @torch.library.register_fake("seekforge::latent_attention")
     def _(q, latents, lengths, scale, value_dim):

@@ -30,6 +30,7 @@ import types
 import torch
 import torch.fx.experimental._config as shape_config
 
+from seekforge.model import kernels
 from seekforge.serve.kv_cache import AttentionMetadata, PagedLatentCache, mask_width
 
 log = logging.getLogger("seekforge.serve")
@@ -302,12 +303,14 @@ class CompiledDecode:
     def _backend(self, program: str):
         """torch.compile's backend for `program`: inductor, the step's kernels called from generated C++
         (cpp_wrapper: batch 1 5.6-6.8 vs 7.1-8.7 ms/token) without checking the sizes and strides of every input
-        and kernel output at every step (~300 calls; the traced shapes already say them); and the compiled
-        graph kept with where each of its inputs comes from, for DirectEntry."""
+        and kernel output at every step (~300 calls; the traced shapes already say them), our kernels called through
+        their C entry points, not the dispatcher (kernels.c_shims); and the compiled graph kept with where each of its
+        inputs comes from, for DirectEntry."""
         def compile(gm: torch.fx.GraphModule, example_inputs, **_):
             from torch._inductor.compile_fx import compile_fx  # imports dynamo: only when a program is traced
 
-            compiled = compile_fx(gm, example_inputs, config_patches={"cpp_wrapper": True, "size_asserts": False})
+            compiled = compile_fx(gm, example_inputs, config_patches={
+                "cpp_wrapper": True, "size_asserts": False, "aot_inductor.custom_ops_to_c_shims": kernels.c_shims()})
             try:
                 entry = DirectEntry(compiled, [node.meta["grapharg"] for node in gm.graph.find_nodes(op="placeholder")])
             except (KeyError, AttributeError, ValueError, SyntaxError):  # graphs of another torch: dynamo's way only

@@ -190,3 +190,34 @@ def test_indexed_products_equal_bmm_of_the_chosen_weights(rows, dtype, tol, monk
                                    atol=tol, rtol=tol)
     with pytest.raises(RuntimeError, match="index 6 outside the 6 weights"):
         torch.ops.seekforge.linear_rows_indexed(x, stack, torch.tensor([5, 0, 6, 1]))
+
+
+def test_compiled_code_calls_the_kernels_through_their_c_shims():
+    """Code inductor generates with cpp_wrapper and c_shims() calls each kernel's C entry point (csrc/c_shims.h),
+    arguments in schema order, None for an absent optional tensor: the same results as the ops called eagerly.
+    The table pickles as its ops' names (inductor's compiled-graph cache key holds it)."""
+    from torch._inductor import config
+    from torch._inductor.utils import run_and_get_cpp_code
+
+    assert kernels.load()
+    shims = kernels.c_shims()
+    assert {str(op) for op in shims} == {f"seekforge.{name}.default" for name in
+                                         ("linear_rows", "rows_times", "linear_rows_indexed", "latent_attention")}
+    assert shims.__reduce__() == (dict, ({str(op): declaration for op, declaration in shims.items()},))
+    ops = torch.ops.seekforge
+
+    def step(x, w, b, stack, index, latents, lengths):
+        h = ops.linear_rows(x, w, None) + ops.linear_rows(x, w, b)  # (1, K)
+        experts = ops.linear_rows_indexed(h.expand(2, 1, -1).contiguous(), stack, index)  # (2, 1, K)
+        keys = ops.rows_times(experts, stack[:2].transpose(1, 2).contiguous())  # (2, 1, K)
+        return (ops.latent_attention(keys, latents, None, 0.5, 16) + ops.latent_attention(keys, latents, lengths, 0.5,
+                                                                                          16))
+    gen = torch.Generator().manual_seed(0)
+    args = [torch.randn(*shape, generator=gen).to(torch.bfloat16) for shape in ((1, 64), (64, 64), (64,), (4, 64, 64))]
+    args += [torch.tensor([3, 1]), torch.randn(2, 9, 64, generator=gen).to(torch.bfloat16), torch.tensor([4, 9])]
+    with torch.inference_mode():
+        expected = step(*args)
+        with config.patch({"cpp_wrapper": True, "aot_inductor.custom_ops_to_c_shims": shims, "fx_graph_cache": False}):
+            out, code = run_and_get_cpp_code(torch.compile(step, fullgraph=True), *args)
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
+    assert "aoti_torch_cpu_linear_rows(" in code and "aoti_torch_call_dispatcher" not in code

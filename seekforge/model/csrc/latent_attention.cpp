@@ -19,6 +19,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "c_shims.h"
 #include "vectors.h"
 
 namespace {
@@ -236,3 +237,12 @@ TORCH_LIBRARY_FRAGMENT(seekforge, m) {
   m.def("latent_attention(Tensor q, Tensor latents, Tensor? lengths, float scale, int value_dim) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(seekforge, CPU, m) { m.impl("latent_attention", &latent_attention); }
+
+extern "C" AOTITorchError aoti_torch_cpu_latent_attention(AtenTensorHandle q, AtenTensorHandle latents,
+                                                          AtenTensorHandle* lengths, double scale, int64_t value_dim,
+                                                          AtenTensorHandle* ret0) {
+  using seekforge_shims::tensor;
+  return seekforge_shims::returning(ret0, [&] {
+    return latent_attention(tensor(q), tensor(latents), seekforge_shims::optional_tensor(lengths), scale, value_dim);
+  });
+}

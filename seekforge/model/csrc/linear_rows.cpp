@@ -18,6 +18,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "c_shims.h"
 #include "vectors.h"
 
 namespace {
@@ -305,4 +306,21 @@ TORCH_LIBRARY_IMPL(seekforge, CPU, m) {
   m.impl("linear_rows", &linear_rows);
   m.impl("rows_times", &rows_times);
   m.impl("linear_rows_indexed", &linear_rows_indexed);
+}
+
+extern "C" {
+using seekforge_shims::tensor;
+AOTITorchError aoti_torch_cpu_linear_rows(AtenTensorHandle x, AtenTensorHandle weight, AtenTensorHandle* bias,
+                                          AtenTensorHandle* ret0) {
+  return seekforge_shims::returning(ret0, [&] {
+    return linear_rows(tensor(x), tensor(weight), seekforge_shims::optional_tensor(bias));
+  });
+}
+AOTITorchError aoti_torch_cpu_rows_times(AtenTensorHandle x, AtenTensorHandle weight, AtenTensorHandle* ret0) {
+  return seekforge_shims::returning(ret0, [&] { return rows_times(tensor(x), tensor(weight)); });
+}
+AOTITorchError aoti_torch_cpu_linear_rows_indexed(AtenTensorHandle x, AtenTensorHandle weight, AtenTensorHandle index,
+                                                  AtenTensorHandle* ret0) {
+  return seekforge_shims::returning(ret0, [&] { return linear_rows_indexed(tensor(x), tensor(weight), tensor(index)); });
+}
 }
