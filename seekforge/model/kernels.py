@@ -78,14 +78,14 @@ def ready() -> bool:
     return bool(_loaded)
 
 
-_globally_visible: set[str] = set()  # the kernels' library, once its symbols are visible to other libraries
+_shims_visible = False  # are the kernels' C entry points visible to other libraries (build)?
 
 
 def c_shims() -> dict:
     """torch.compile's `aot_inductor.custom_ops_to_c_shims` for the loaded kernels: each op → the declaration of its
     C entry point (csrc/c_shims.h), which code generated with cpp_wrapper calls directly instead of through the
     dispatcher by name. Empty where the kernels are not loaded, or their library is not visible to that code."""
-    if not (ready() and _globally_visible):
+    if not (ready() and _shims_visible):
         return {}
     ops, tensor, optional = torch.ops.seekforge, "AtenTensorHandle", "AtenTensorHandle*"
     signatures = {"linear_rows": [f"{tensor} x", f"{tensor} weight", f"{optional} bias"],
@@ -175,6 +175,7 @@ def build() -> bool:
     shape functions for torch.compile; True when the torch.ops.seekforge ops exist."""
     from torch.utils import cpp_extension
 
+    global _shims_visible
     if shutil.which(os.environ.get("CXX", "c++")) is None or not cpp_extension.is_ninja_available():
         log.warning("no C++ compiler or ninja: PyTorch's kernels run (decode is slower on this CPU)")
         return False
@@ -195,7 +196,7 @@ def build() -> bool:
     except (OSError, TypeError) as e:
         log.warning("compiled steps call the CPU kernels through the dispatcher (%s)", e)
     else:
-        _globally_visible.add(library)
+        _shims_visible = True
 
     @torch.library.register_fake("seekforge::latent_attention")
     def _(q, latents, lengths, scale, value_dim):
