@@ -253,8 +253,8 @@ class DistributedEngine:
 
     def generate(self, prompts: list, params: list[SamplingParams]) -> list[RequestOutput]:
         """Offline: every prompt (text or token ids) to completion, outputs in prompt order."""
-        return self.drain([self.add(self.make_request(p, sp, final_only=True)) for p, sp in zip(prompts, params,
-                                                                                              strict=True)])
+        requests = [self.make_request(p, sp, final_only=True) for p, sp in zip(prompts, params, strict=True)]
+        return self.drain([self.add(r) for r in requests])
 
     def drain(self, ids: list[str]) -> list[RequestOutput]:
         """Step until the requests `ids` finish → their final outputs, in that order."""
