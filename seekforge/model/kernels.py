@@ -87,14 +87,16 @@ def c_shims() -> dict:
     dispatcher by name. Empty where the kernels are not loaded, or their library is not visible to that code."""
     if not (ready() and _shims_visible):
         return {}
-    ops, tensor, optional = torch.ops.seekforge, "AtenTensorHandle", "AtenTensorHandle*"
-    signatures = {"linear_rows": [f"{tensor} x", f"{tensor} weight", f"{optional} bias"],
-                  "rows_times": [f"{tensor} x", f"{tensor} weight"],
-                  "linear_rows_indexed": [f"{tensor} x", f"{tensor} weight", f"{tensor} index"],
-                  "latent_attention": [f"{tensor} q", f"{tensor} latents", f"{optional} lengths", "double scale",
-                                       "int64_t value_dim"]}
-    return _ShimTable({getattr(ops, name).default: [f"AOTITorchError aoti_torch_cpu_{name}({', '.join(args)}, "
-                                                    f"{optional} ret0)"] for name, args in signatures.items()})
+    c_types = {"Tensor": "AtenTensorHandle", "Optional[Tensor]": "AtenTensorHandle*", "float": "double",
+               "int": "int64_t"}
+
+    def declaration(op) -> str:  # the op's schema, argument by argument, then the result's handle
+        args = [f"{c_types[str(a.type)]} {a.name}" for a in op._schema.arguments] + ["AtenTensorHandle* ret0"]
+        return f"AOTITorchError aoti_torch_cpu_{op._schema.name.split('::')[1]}({', '.join(args)})"
+
+    ops = [getattr(torch.ops.seekforge, name).default
+           for name in ("linear_rows", "rows_times", "linear_rows_indexed", "latent_attention")]
+    return _ShimTable({op: [declaration(op)] for op in ops})
 
 
 class _ShimTable(dict):

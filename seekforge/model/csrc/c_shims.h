@@ -1,4 +1,4 @@
-// The kernels' C entry points for code torch.compile generates with cpp_wrapper (kernels.py, C_SHIMS): inductor
+// The kernels' C entry points for code torch.compile generates with cpp_wrapper (kernels.c_shims, which declares them from the ops' schemas): inductor
 // calls an op listed in its `aot_inductor.custom_ops_to_c_shims` as aoti_torch_cpu_<name>(handles..., &out)
 // instead of through the dispatcher by name (aoti_torch_call_dispatcher: a schema lookup, boxing the arguments
 // and a new handle for each, on every call; a decode step of `small` makes ~35 such calls). The arguments are
