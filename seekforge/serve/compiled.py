@@ -12,7 +12,7 @@ tokens.
 The steps it runs are the plain decode steps that read the dense decode rows (kv_cache.DenseRows): the
 latents each row computes go to their pool slot, as always, and to its dense row, which attention then
 reads. Three programs, each traced once with dynamic shapes (every context length, dense capacity and
-batch size) and compiled at engine start (`warm_up`; the three ~130 s on 2 cores the first time, ~45 s with
+batch size) and compiled at engine start (`warm_up`; the three ~130 s on 2 cores the first time, ~15 s with
 inductor's on-disk cache): one sequence (its experts' weights read as views, model/moe.py), several
 sequences of one context length, and several of different lengths (masked). Once traced, a program's compiled
 graph is called directly (DirectEntry), not through dynamo's entry. A new set of decoding sequences has its
@@ -282,9 +282,14 @@ class CompiledDecode:
         if program in self.traced:  # the settings below matter to tracing only, and cost ~0.2 ms a step to patch
             return self.programs[program](*args)
         # capture_scalar_outputs: the chosen experts' ids and the expert batch's size as traced integers
-        # (model/moe.py). No duck shapes: two sizes that happen to be equal when traced (two layers' dense
+        # (model/moe.py). specialize_float: the model's floats (its config's epsilons and scales) as the constants
+        # they are. As graph inputs, the ~13 a program passes on to an op that takes a Python float (an RMSNorm's
+        # epsilon, the attention kernel's scale) cannot become tensors, and dynamo restarted the whole trace to
+        # specialize them: each program was traced twice, and an engine of `small` started from the compile cache
+        # in 49 s against 14-19 s. No duck shapes: two sizes that happen to be equal when traced (two layers' dense
         # capacities, say) must not become one symbol, as nothing checks them later.
-        with torch._dynamo.config.patch(capture_scalar_outputs=True), shape_config.patch(use_duck_shape=False):
+        with torch._dynamo.config.patch(capture_scalar_outputs=True, specialize_float=True), \
+                shape_config.patch(use_duck_shape=False):
             out = self.programs[program](*args)
         self.traced.add(program)
         entry = self.entries.get(program)

@@ -527,7 +527,7 @@ def add_arguments(p):
                    help="N > 1: N decode steps per scheduler pass while no prefill waits")
     p.add_argument("--compile", action="store_true",
                    help="run decode steps as torch.compile'd programs (needs a C++ compiler; ~2 min at start on 2 "
-                        "cores the first time, ~45 s from the compile cache after): on CPU ~1.7x faster decoding of "
+                        "cores the first time, ~15 s from the compile cache after): on CPU ~1.7x faster decoding of "
                         "one sequence, ~1.1x at 64; falls back to eager, with a warning, where compiling fails")
     p.add_argument("--enable-lora", action="store_true",
                    help="serve LoRA adapters (POST /v1/load_lora_adapter at run time); implied by --lora-modules")
