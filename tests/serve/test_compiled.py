@@ -158,6 +158,22 @@ def test_inductors_function_is_called_directly_once_checked(compiled_llm, monkey
         assert all(torch.equal(a, b) for a, b in zip(entry(args), expected, strict=True))
 
 
+def test_each_program_is_compiled_once(tiny_model, byte_tokenizer, monkeypatch):
+    """Dynamo restarts a trace to specialize the floats it could not make tensors (one passed to an op taking a
+    Python float), and the restarted trace reaches the backend again: twice the start-up time."""
+    compiles = []
+    backend = CompiledDecode._backend
+
+    def counted(self, program):
+        compile = backend(self, program)
+        return lambda gm, example_inputs, **kwargs: compiles.append(program) or compile(gm, example_inputs, **kwargs)
+
+    monkeypatch.setattr(CompiledDecode, "_backend", counted)
+    llm = LLM(tiny_model, byte_tokenizer, block_size=8, num_kv_blocks=256, compile=True)  # compiled_llm's programs
+    assert llm.engine.runner.compiled is not None
+    assert sorted(compiles) == sorted(compiled_module.PROGRAMS)
+
+
 def test_unsupported_configs_decode_eagerly(tiny_model):
     assert "int8" in CompiledDecode.supports(tiny_model, EngineConfig(kv_cache_dtype="int8"))
     assert "LoRA" in CompiledDecode.supports(tiny_model, EngineConfig(enable_lora=True))
