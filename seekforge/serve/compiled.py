@@ -123,9 +123,10 @@ class DirectEntry:
     parameters through module attributes, AOT's wrappers: ~0.3-0.5 ms a step, 10-15% of batch 1).
 
     The graph's inputs are what dynamo recorded as their sources: the model's (`L['args'][0]._modules['norm']
-    ._parameters['weight']`, a float of its config) are kept as dynamo passed them on the tracing call, being
-    objects whose tensors change in place (a GRPO update, MasterWeights' swaps of `.data`); the step's own
-    (`L['args'][1]`, `L['args'][8][0].size()[1]`) are read on each call by one generated function.
+    ._parameters['weight']`: its parameters and buffers; its config's floats are constants, `_run`) are kept as
+    dynamo passed them on the tracing call, being objects whose tensors change in place (a GRPO update,
+    MasterWeights' swaps of `.data`); the step's own (`L['args'][1]`, `L['args'][8][0].size()[1]`) are read on each
+    call by one generated function.
 
     Where it can, it calls inductor's C++ function itself (`inductor_entry`), skipping the Python between it
     and dynamo (AOT's runtime wrapper, inductor's conversion of every input: ~0.1 ms a step). That is the same

@@ -1,9 +1,9 @@
-// The kernels' C entry points for code torch.compile generates with cpp_wrapper (kernels.c_shims, which declares them from the ops' schemas): inductor
-// calls an op listed in its `aot_inductor.custom_ops_to_c_shims` as aoti_torch_cpu_<name>(handles..., &out)
-// instead of through the dispatcher by name (aoti_torch_call_dispatcher: a schema lookup, boxing the arguments
-// and a new handle for each, on every call; a decode step of `small` makes ~35 such calls). The arguments are
-// the op's schema in order: a Tensor as an AtenTensorHandle, a Tensor? as a pointer to one (null: None), a
-// float as a double, an int as an int64_t; the result is a new handle in *ret0.
+// The kernels' C entry points for code torch.compile generates with cpp_wrapper (kernels.c_shims, which declares
+// them from the ops' schemas): inductor calls an op listed in its `aot_inductor.custom_ops_to_c_shims` as
+// aoti_torch_cpu_<name>(handles..., &out) instead of through the dispatcher by name (aoti_torch_call_dispatcher:
+// a schema lookup, boxing the arguments and a new handle for each, on every call; a decode step of `small` makes
+// ~35 such calls). The arguments are the op's schema in order: a Tensor as an AtenTensorHandle, a Tensor? as a
+// pointer to one (null: None), a float as a double, an int as an int64_t; the result is a new handle in *ret0.
 #pragma once
 #include <torch/csrc/inductor/aoti_torch/utils.h>
 
