@@ -263,9 +263,11 @@ class ExpertSlots:
     def traced(cls, indices: torch.Tensor, num_experts: int, onednn_shapes: bool) -> ExpertSlots:
         """The slots as torch.compile traces them (serve/compiled.py): the cap from tensor ops, then one traced
         integer; always the batch, however skewed the routing (the choice `within` makes depends on the
-        counts). At least 2: inductor's bmm lowering cannot yet decide whether a traced size is 1."""
+        counts). At least 2: inductor's bmm lowering cannot yet decide whether a traced size is 1. The counts
+        by comparison, not `bincount`: inductor fuses that into a kernel of its own, where `bincount`, having no
+        C shim, ran through its proxy executor (and warned so at each compile)."""
         flat = indices.reshape(-1)
-        counts = torch.bincount(flat, minlength=num_experts)
+        counts = (flat[:, None] == torch.arange(num_experts, device=flat.device)).sum(0)  # (E,)
         busiest = counts.max().clamp(min=2)
         if onednn_shapes:  # onednn_size in tensor ops: above 64, up to a multiple of 1/8 of the power of two below
             step = torch.where(busiest > 64, torch.exp2(busiest.float().log2().floor() - 3).long(), 1)
