@@ -41,7 +41,10 @@ class ByteTokenizer:
         ids = []
         for piece in _SPECIALS_PATTERN.split(text):
             special = self.SPECIALS.index(piece) if piece in self.SPECIALS else -1
-            ids.extend([256 + special] if special >= 0 else piece.encode("utf-8"))
+            try:
+                ids.extend([256 + special] if special >= 0 else piece.encode("utf-8"))
+            except UnicodeEncodeError:
+                check_unicode(text)
         return [self.bos_token_id, *ids] if add_bos else ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
@@ -124,7 +127,12 @@ class HFTokenizer:
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        try:
+            ids = self._tok.encode(text, add_special_tokens=False).ids
+        except TypeError:  # the Rust side's "TextInputSequence must be str", also for a str it cannot convert
+            if isinstance(text, str):
+                check_unicode(text)
+            raise
         return [self.bos_token_id, *ids] if add_bos and self.bos_token_id is not None else ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
@@ -160,6 +168,16 @@ class HFTokenizer:
         for file in (self.file, self.file.parent / "tokenizer_config.json"):
             if file.exists() and file.parent.resolve() != directory.resolve():
                 shutil.copy(file, directory / file.name)
+
+
+def check_unicode(text: str) -> None:
+    """ValueError for text no tokenizer can encode: text with a lone surrogate (JSON's "\\ud800" decodes to one),
+    which is not a Unicode character and has no UTF-8 form."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(f"the text holds a lone surrogate {text[err.start]!r} (at character {err.start}), which "
+                         "is not valid Unicode; send UTF-8 text, a surrogate pair for characters past U+FFFF") from None
 
 
 _SPECIALS_PATTERN = re.compile("(" + "|".join(re.escape(t) for t in ByteTokenizer.SPECIALS) + ")")

@@ -134,10 +134,41 @@ class ContentPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    """An assistant message's call of a tool (OpenAI's `tool_calls` entries)."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow")  # strict, ...: passed on to the tool prompt
+    name: str
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+def tool_dicts(tools: list[Tool] | None) -> list[dict] | None:
+    """Validated tools as the plain dicts tools.py reads."""
+    return None if tools is None else [t.model_dump(exclude_none=True) for t in tools]
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")  # name, tool_call_id, ... are passed to the template
     role: str
     content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCall] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         out = self.model_dump(exclude_none=True)
@@ -152,7 +183,7 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict] | None = None
+    tools: list[Tool] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
@@ -187,7 +218,7 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    tools: list[dict] | None = None
+    tools: list[Tool] | None = None
     add_generation_prompt: bool = True
     add_special_tokens: bool | None = None  # vLLM's defaults: True for a prompt, False for messages
     return_token_strs: bool = False

@@ -45,6 +45,7 @@ from seekforge.serve.protocol import (
     LoadLoRARequest,
     TokenizeRequest,
     UnloadLoRARequest,
+    tool_dicts,
 )
 from seekforge.serve.structured import StructuredOutput
 from seekforge.serve.tools import (
@@ -75,6 +76,8 @@ def _validation_message(exc: RequestValidationError) -> str:
         where = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
         if err.get("type") == "json_invalid":
             return "the request body is not valid JSON"
+        if not where:  # the body as a whole: missing, or no JSON object (or sent without the JSON content type)
+            return "the request body must be a JSON object, sent with 'Content-Type: application/json'"
         if err.get("type") == "extra_forbidden":
             parts.append(f"unsupported parameter {where!r}; remove it")
         else:
@@ -85,8 +88,9 @@ def _validation_message(exc: RequestValidationError) -> str:
 def _validation_param(exc: RequestValidationError) -> str | None:
     """The first offending field, as OpenAI's `param` names it (None for a body that is not JSON)."""
     errors = exc.errors()
-    where = [str(x) for x in errors[0].get("loc", ()) if x != "body"] if errors else []
-    return ".".join(where) or None
+    if not errors or errors[0].get("type") == "json_invalid":  # its loc is a position in the text, not a field
+        return None
+    return ".".join(str(x) for x in errors[0].get("loc", ()) if x != "body") or None
 
 
 def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
@@ -128,8 +132,9 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     # Request.is_disconnected() never sees the client leave (found by test_non_streaming_disconnect_aborts).
     async def require_key(request: Request):
         if api_key:
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            scheme, _, given = request.headers.get("authorization", "").partition(" ")
+            # the scheme is case-insensitive (RFC 9110), the key is not
+            if scheme.lower() != "bearer" or not secrets.compare_digest(given.encode(), api_key.encode()):
                 raise APIError("invalid or missing API key; send 'Authorization: Bearer KEY'", 401,
                                "authentication_error", "invalid_api_key")
 
@@ -195,7 +200,8 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     async def tokenize(req: TokenizeRequest):
         check_model(req.model)
         if req.messages is not None:
-            messages = messages_for_template([m.as_dict() for m in req.messages], req.tools)
+            messages = messages_for_template([m.as_dict() for m in req.messages],
+                                             check_tools(tool_dicts(req.tools), None))
             text = tokenizer.apply_chat_template(messages, req.add_generation_prompt)
         else:
             text = req.prompt
@@ -253,9 +259,10 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         lora = check(req)
         if not req.messages:
             raise APIError("messages is empty; give at least one message", param="messages")
-        callable_tools = check_tools(req.tools, req.tool_choice)
+        tools = tool_dicts(req.tools)
+        callable_tools = check_tools(tools, req.tool_choice)
         use_tools = bool(callable_tools) and req.tool_choice != "none"
-        messages = messages_for_template([m.as_dict() for m in req.messages], req.tools if use_tools else None)
+        messages = messages_for_template([m.as_dict() for m in req.messages], tools if use_tools else None)
         prompt_ids = chat_prompt_ids(tokenizer, messages, req.add_generation_prompt)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = req.sampling_params(req.max_new_tokens, logprobs)

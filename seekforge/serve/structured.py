@@ -39,7 +39,8 @@ class StructuredOutput:
         if len(given) != 1:
             raise ValueError(f"structured output needs exactly one of json, json_object, regex, choice, grammar; "
                              f"got {given or 'none'}")
-        if self.choice is not None and (not self.choice or not all(isinstance(c, str) for c in self.choice)):
+        if self.choice is not None and not (isinstance(self.choice, list) and self.choice
+                                            and all(isinstance(c, str) for c in self.choice)):
             raise ValueError("choice must be a non-empty list of strings")
 
     @classmethod
@@ -58,7 +59,8 @@ class StructuredOutput:
         if kind == "json_object":
             return cls(json_object=True)
         if kind == "json_schema":
-            schema = (fmt.get("json_schema") or {}).get("schema")
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
             if not isinstance(schema, dict):
                 raise ValueError("response_format json_schema needs json_schema.schema (a JSON schema object)")
             return cls(json=schema)

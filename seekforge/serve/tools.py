@@ -89,6 +89,10 @@ def check_tools(tools: list[dict] | None, tool_choice) -> list[dict]:
     for t in tools:
         if t.get("type") != "function" or not isinstance(t.get("function"), dict) or not t["function"].get("name"):
             raise ValueError("each tool must be {'type': 'function', 'function': {'name': ..., 'parameters': ...}}")
+    names = [t["function"]["name"] for t in tools]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ValueError(f"tools: each function needs a name of its own; {repeated} stand more than once")
     if tool_choice in (None, "none", "auto"):
         return tools
     if not tools:

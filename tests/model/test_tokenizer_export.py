@@ -49,3 +49,12 @@ def test_pieces_and_bytes_of_single_tokens(exported, hf_tokenizer):
     assert [ours.piece(i) for i in ids] == hf_tokenizer.convert_ids_to_tokens(ids)
     assert [ours.token_bytes(i) for i in ids] == [exported_tokenizer.token_bytes(i) for i in ids]
     assert [ours.token_bytes(i) for i in (104, 195, 257, 300)] == [b"h", b"\xc3", b"<|eos|>", b""]
+
+
+def test_a_lone_surrogate_is_a_value_error_naming_it(exported):
+    """JSON's "\\ud800" decodes to a lone surrogate, which has no UTF-8 form: both tokenizers say so alike (the
+    `tokenizers` library's own error was a TypeError, "TextInputSequence must be str")."""
+    for tokenizer in (ByteTokenizer(), load_tokenizer(exported)):
+        with pytest.raises(ValueError, match=r"lone surrogate .* \(at character 2\)"):
+            tokenizer.encode("ok\ud800 there")
+        assert tokenizer.encode("ok \U0001f600") == list("ok \U0001f600".encode())  # a pair decodes to one char

@@ -201,6 +201,51 @@ def test_errors_are_openai_400s(live_server, body, message):
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert message in error["message"] and error["type"] == "invalid_request_error"
+    if message == "not valid JSON":
+        assert error["param"] is None  # not pydantic's position in the text
+
+
+def chat_body(**fields) -> dict:
+    return {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, **fields}
+
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize("url, body, message", [
+    ("completions", {"model": "tiny", "prompt": "\ud800abc"}, "lone surrogate"),
+    ("completions", {"model": "tiny", "prompt": ["ok", "\udc00"]}, "lone surrogate"),
+    ("chat/completions", chat_body(messages=[{"role": "user", "content": "\udc00hi"}]), "lone surrogate"),
+    ("chat/completions", chat_body(messages=[{"role": "assistant", "content": None, "tool_calls": "x"}]),
+     "messages.0.tool_calls"),
+    ("chat/completions", chat_body(messages=[{"role": "assistant", "tool_calls": [{"id": "c1"}]}]),
+     "messages.0.tool_calls.0.function"),
+    ("chat/completions", chat_body(messages=[{"role": "assistant", "tool_calls": [{"function": {"name": "f"}}]}]),
+     "arguments"),
+    ("chat/completions", chat_body(tools=[{"type": "function", "function": {"name": "f", "parameters": "x"}}],
+                                   tool_choice="required"), "tools.0.function.parameters"),
+    ("chat/completions", chat_body(tools=[{"type": "function", "function": {"name": 5}}]), "tools.0.function.name"),
+    ("chat/completions", chat_body(tools=[TOOL, TOOL]), "more than once"),
+    ("chat/completions", chat_body(response_format={"type": "json_schema", "json_schema": "x"}), "json_schema.schema"),
+    ("chat/completions", chat_body(structured_outputs={"choice": "abc"}), "choice must be"),
+    ("tokenize", {"messages": [{"role": "user", "content": "x"}], "tools": [{"function": {"name": "f"}}]},
+     "tools.0.type"),
+    ("tokenize", {"prompt": "\ud800"}, "lone surrogate"),
+])
+def test_malformed_fields_are_400s_naming_them(live_server, url, body, message):
+    """Fields the handlers read (tool calls in the history, tools, response_format, text) are checked as they come
+    in: a 400 naming the field, where each of these was a 500 from deep inside."""
+    path = url if url == "tokenize" else "v1/" + url
+    r = httpx.post(f"{live_server.base_url}/{path}", content=json.dumps(body),  # ASCII JSON: a surrogate escaped
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.parametrize("body", [b"", b"[1, 2]", b"null"])
+def test_a_body_that_is_no_json_object_says_so(live_server, body):
+    for headers in ({"content-type": "application/json"}, {}):  # plain `curl -d` sends no JSON content type
+        r = httpx.post(live_server.base_url + "/v1/completions", content=body, headers=headers)
+        assert r.status_code == 400 and "must be a JSON object" in r.json()["error"]["message"], r.text
 
 
 def test_errors_through_openai_client(client):
@@ -264,6 +309,9 @@ def test_api_key(tiny_model, byte_tokenizer):
             bad.models.list()
         good = openai.OpenAI(base_url=server.base_url + "/v1", api_key="sekrit", max_retries=0)
         assert good.completions.create(model="tiny", prompt="x", max_tokens=1).choices
+        for scheme, status in (("bearer", 200), ("BEARER", 200), ("Basic", 401)):  # the scheme in any case
+            r = httpx.get(server.base_url + "/v1/models", headers={"authorization": f"{scheme} sekrit"})
+            assert r.status_code == status, scheme
         assert httpx.get(server.base_url + "/health").status_code == 200  # health needs no key
 
 
