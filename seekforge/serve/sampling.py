@@ -91,7 +91,7 @@ def token_probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     greedy and sampled rows with the same rejection rule, spec_decode.py)."""
     params = [s.params for s in seqs]
     device = logits.device
-    temperature = torch.tensor([p.temperature or 1.0 for p in params], device=device)
+    temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device)
     scaled = logits / temperature[:, None]
     if any(p.top_k or p.top_p < 1 or p.min_p > 0 for p in params):
         scaled = filter_logits(scaled, torch.tensor([p.top_k for p in params], device=device),

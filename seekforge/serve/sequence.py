@@ -18,10 +18,13 @@ import torch
 
 from seekforge.serve.structured import StructuredOutput
 
+GREEDY_BELOW = 1e-5  # temperatures below this sample greedily
+
 
 @dataclass
 class SamplingParams:
-    """OpenAI/vLLM sampling parameters. temperature 0 is greedy; top_k 0, top_p 1, min_p 0 are off."""
+    """OpenAI/vLLM sampling parameters. temperature 0 (below GREEDY_BELOW) is greedy; top_k 0, top_p 1, min_p 0 are
+    off."""
 
     n: int = 1
     max_tokens: int | None = 16  # None: up to the model's context length
@@ -84,7 +87,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """temperature 0, or one so small that it is greedy in effect (below 1e-5, as in vLLM): dividing the logits
+        by 1e-38 overflows fp32, and the draw then reads NaNs."""
+        return self.temperature < GREEDY_BELOW
 
     @property
     def has_penalties(self) -> bool:

@@ -69,6 +69,17 @@ def test_greedy_rows_equal_argmax_and_min_tokens_masks_eos():
     assert ids[1] != 257
 
 
+@pytest.mark.parametrize("temperature", [1e-6, 1e-38, 5e-324])
+def test_a_temperature_below_1e_5_is_greedy(temperature):
+    """As in vLLM: dividing by such a temperature overflows fp32, and the draw read NaNs (token 0 every time)."""
+    torch.manual_seed(0)
+    logits = torch.randn(3, 300) * 5
+    seqs = [seq([1], [], temperature=temperature, seed=i) for i in range(3)]
+    assert all(s.params.greedy for s in seqs)
+    assert sample(logits, seqs)[0] == logits.argmax(dim=-1).tolist()
+    assert not SamplingParams(temperature=1e-5).greedy
+
+
 def test_seeded_sampling_is_batch_independent():
     torch.manual_seed(0)
     logits = torch.randn(3, 64)
