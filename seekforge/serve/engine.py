@@ -306,12 +306,18 @@ class LLMEngine:
         return kept > 0
 
     def _stop_reason(self, seq: Sequence, token_id: int, detokenizer: IncrementalDetokenizer) -> str | None:
-        """Why seq ends after its new token: "stop", "length", or None to go on. Every token but a
-        stop token goes to the text (the stop token stays in token_ids only)."""
+        """Why seq ends after its new token: "stop", "length", "abort" (the grammar library gave up on its structured
+        output, which is then no complete one; the error is logged), or None to go on. Every token but a stop token
+        goes to the text (the stop token stays in token_ids only)."""
         past_min_tokens = seq.num_output_tokens >= seq.params.min_tokens
         if token_id in seq.stop_token_ids and past_min_tokens:
             return "stop"
-        if detokenizer.add(token_id, check_stop=past_min_tokens):
+        stop_string = detokenizer.add(token_id, check_stop=past_min_tokens)
+        if seq.matcher is not None and seq.matcher.is_error():  # e.g. a regex whose lexer grows too large
+            log.warning("request %s: structured output failed after %d tokens, ending it as 'abort': %s",
+                        seq.request_id, seq.num_output_tokens, seq.matcher.get_error().splitlines()[0])
+            return "abort"
+        if stop_string:
             return "stop"  # a stop string completed; the text ends just before it
         if seq.matcher is not None and seq.matcher.is_stopped():
             return "stop"  # the structured output is complete: the grammar allows nothing more

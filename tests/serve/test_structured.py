@@ -108,6 +108,17 @@ def test_bad_constraints_are_400s(live_server, extra, message):
     assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
 
 
+def test_a_grammar_that_fails_while_generating_ends_as_abort(tiny_model, byte_tokenizer, caplog):
+    """llguidance can compile a constraint and fail on its first token (this regex's lexer grows past its limit): the
+    output is then no complete answer, so it ends "abort", with the library's error logged, not "stop"."""
+    llm = LLM(tiny_model, byte_tokenizer, block_size=8, num_kv_blocks=64)
+    params = SamplingParams(temperature=0, max_tokens=10, structured=StructuredOutput(regex="a{100000000}"))
+    with caplog.at_level("WARNING", logger="seekforge.serve"):
+        out = llm.generate("x", params)[0].outputs[0]
+    assert out.finish_reason == "abort" and out.text == "a"
+    assert "too many expressions" in caplog.text
+
+
 def test_each_of_n_sequences_advances_its_own_matcher(tiny_model, byte_tokenizer):
     """Seeded n=3 completions diverge; each still completes its own grammar (per-sequence state)."""
     llm = LLM(tiny_model, byte_tokenizer, block_size=8, num_kv_blocks=64)
