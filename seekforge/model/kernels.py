@@ -29,7 +29,8 @@ On CPUs with AMX PyTorch's kernels run bf16 on AMX tiles (decode attention ~1.2 
 BENCHMARKS.md was measured on); these kernels have no AMX path and are not used there.
 
 They are built with torch.utils.cpp_extension (a C++ compiler and ninja, the same toolchain torch.compile needs
-on a CPU) into torch's extension cache, once per machine (~20-60 s); a process then loads them in milliseconds.
+on a CPU) into torch's extension cache, once per machine and torch install (~20-60 s); a process then loads them in
+milliseconds.
 Where they cannot be built, or SEEKFORGE_CPU_KERNELS=0, PyTorch's kernels run.
 """
 
@@ -183,8 +184,11 @@ def build() -> bool:
         return False
     # -fopenmp: at::parallel_for splits the work over torch's OpenMP threads only when compiled with it
     flags = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
-    # the name carries a hash of sources and flags: an edited kernel is rebuilt, never an old build loaded
-    text = "".join(source.read_text() for source in SOURCES + HEADERS) + " ".join(flags)
+    # the name carries a hash of sources and flags, an edited kernel rebuilt and never an old build loaded; and of the
+    # torch it builds against: its build files name that torch's headers and libraries, so two environments sharing
+    # one build folder would rebuild it each time the other had loaded it
+    text = "".join(source.read_text() for source in SOURCES + HEADERS) + " ".join(flags) + \
+        f" torch {torch.__version__} at {os.path.dirname(torch.__file__)}"
     name = f"seekforge_cpu_kernels_{hashlib.sha256(text.encode()).hexdigest()[:12]}"
     log.info("loading the CPU kernels %s (the first use on a machine compiles them, ~20-60 s)", name)
     try:
