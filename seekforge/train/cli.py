@@ -11,6 +11,7 @@ The run itself is train/pretrain.py; this module turns the command line into its
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 from seekforge.config import TrainConfig, parse_parallel
@@ -94,15 +95,26 @@ def config_from_args(args) -> TrainConfig:
     updates = {field: given[field] for field in fields if field in given}
     if "name" in given:
         updates["out_dir"] = str(Path("runs") / given["name"])
-    if "config" not in given and "preset" not in given:
+    default_run = "config" not in given and "preset" not in given
+    if default_run:
         updates = {**DEFAULT_RUN, **updates, "model": dict(DEFAULT_RUN_MODEL)}
     if "parallel" in given:
         updates["parallel"] = parse_parallel(given["parallel"])
     overrides = parse_overrides(given.get("overrides", []))
+    user_model = overrides.get("model", {})
     for table in ("model", "parallel"):
         if table in updates and table in overrides:
             overrides[table] = {**updates[table], **overrides[table]}
-    return load_train_config(given.get("config"), {**updates, **overrides})
+    cfg = load_train_config(given.get("config"), {**updates, **overrides})
+    if default_run and cfg.resume:
+        from seekforge.train.checkpoint import step_dirs
+
+        checkpoints = Path(cfg.out_dir) / "checkpoints"
+        if checkpoints.is_dir() and ((checkpoints / "latest").exists() or step_dirs(checkpoints)):
+            # resuming a run (one of another model, say, from `seekforge convert`): its own model, not the default
+            # run's, which the user did not ask for; the model keys they did set are still checked against it
+            cfg = dataclasses.replace(cfg, model=user_model)
+    return cfg
 
 
 def run(args) -> None:

@@ -56,6 +56,27 @@ def test_resume_refuses_another_model_and_says_a_changed_schedule(tmp_path, caps
     assert "resuming with another lr schedule (steps 2 → 3)" in capsys.readouterr().out
 
 
+def test_a_converted_checkpoint_continues_with_the_command_convert_prints(tmp_path, capsys):
+    """`seekforge convert HF_DIR RUN_DIR` says "continue training with: seekforge pretrain --out-dir RUN_DIR": with no
+    --preset, that run's model is the converted one (tiny), not the default run's (hidden 192), which the user never
+    asked for; a model key they do set is still checked against it."""
+    from seekforge.config import preset
+    from seekforge.model.model import build_model
+    from seekforge.train.checkpoint import save_checkpoint
+
+    save_checkpoint(tmp_path / "run" / "checkpoints", 5, build_model(preset("tiny"), seed=3))
+    main(["convert", str(tmp_path / "run"), str(tmp_path / "hf"), "--dtype", "float32"])
+    main(["convert", str(tmp_path / "hf"), str(tmp_path / "back")])
+    assert "seekforge pretrain --out-dir " + str(tmp_path / "back") in capsys.readouterr().out
+    quick = ["--seq-len", "32", "--micro-batch-size", "2", "--set", "sample_prompt=", "--set", "export_hf=false",
+             "--set", "warmup=1", "--set", "peak_flops=1e11"]
+    main(["pretrain", "--out-dir", str(tmp_path / "back"), "--steps", "1", *quick])
+    assert latest_checkpoint(tmp_path / "back" / "checkpoints").name == "step_000001"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["pretrain", "--out-dir", str(tmp_path / "back"), "--steps", "2", "--set", "model.hidden_size=96", *quick])
+    assert exit_info.value.code == 2 and "hidden_size=96" in capsys.readouterr().err
+
+
 def test_pretrain_cli_bad_input_is_a_clean_error(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["pretrain", "--preset", "tiny", "--set", "stpes=3", "--out-dir", str(tmp_path)])
