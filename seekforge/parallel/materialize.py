@@ -86,15 +86,12 @@ def meta_modules(cfg: ModelConfig, pc: ParallelConfig, mesh) -> list[nn.Module]:
     """This rank's part of the model on the meta device, parallelized: the whole model, or its
     pipeline stage(s) cut the way parallel/pp.PipelineRunner cuts them."""
     from seekforge.parallel.parallelize import parallelize
-    from seekforge.parallel.pp import StageModule, stage_ids_of_rank, stage_layer_ranges
+    from seekforge.parallel.pp import parallel_stages
 
     model = build_model(cfg, device="meta")
     if pc.pp == 1:
         return [parallelize(model, pc, mesh) if mesh is not None else model]
-    ranges = stage_layer_ranges(cfg.num_hidden_layers, pc.num_stages, pc.pp_split_points)
-    ids = stage_ids_of_rank(mesh["pp"].get_local_rank(), pc)
-    stages = [StageModule(model, *ranges[i], i == 0, i == pc.num_stages - 1) for i in ids]
-    return [parallelize(stage, pc, mesh) for stage in stages]
+    return parallel_stages(model, pc, mesh)[1]
 
 
 def build_sharded(cfg: ModelConfig, pc: ParallelConfig, mesh, seed: int = 0, device="cpu") -> list[nn.Module]:

@@ -103,15 +103,7 @@ class PipelineRunner:
     def __init__(self, model: nn.Module, pc: ParallelConfig, mesh: ParallelMesh, mtp_loss_scale: float = 0.3,
                  compute_dtype: torch.dtype | None = None):
         self.pc, self.mesh, self.mtp_loss_scale = pc, mesh, mtp_loss_scale
-        pp_rank = mesh["pp"].get_local_rank()
-        ranges = stage_layer_ranges(model.cfg.num_hidden_layers, pc.num_stages, pc.pp_split_points)
-        self.stage_ids = stage_ids_of_rank(pp_rank, pc)
-        # Cut every stage before parallelizing any: the last stage copies the still-plain embedding.
-        self.modules = [StageModule(model, *ranges[i], i == 0, i == pc.num_stages - 1) for i in self.stage_ids]
-        for module, stage_id in zip(self.modules, self.stage_ids, strict=True):
-            module.compute_dtype = compute_dtype
-            stage_pc = dataclasses.replace(pc, recompute=_stage_recompute(pc.recompute, *ranges[stage_id], module))
-            parallelize(module, stage_pc, mesh)
+        self.stage_ids, self.modules = parallel_stages(model, pc, mesh, compute_dtype)
         self.last = next((m for m in self.modules if m.is_last), None)
         self.tied_group = _tied_embedding_group(mesh, pc) if len(model.mtp) else None
 
@@ -224,6 +216,21 @@ def _tied_embedding_group(mesh: ParallelMesh, pc: ParallelConfig):
         if dist.get_rank() in pair:
             mine = group
     return mine
+
+
+def parallel_stages(model: nn.Module, pc: ParallelConfig, mesh: ParallelMesh,
+                    compute_dtype: torch.dtype | None = None) -> tuple[list[int], list[StageModule]]:
+    """This pp rank's stage ids and their modules: cut from `model`, each parallelized with its own blocks' share of
+    a per-block recompute list (as `plan balance` writes one)."""
+    ranges = stage_layer_ranges(model.cfg.num_hidden_layers, pc.num_stages, pc.pp_split_points)
+    stage_ids = stage_ids_of_rank(mesh["pp"].get_local_rank(), pc)
+    # Cut every stage before parallelizing any: the last stage copies the still-plain embedding.
+    modules = [StageModule(model, *ranges[i], i == 0, i == pc.num_stages - 1) for i in stage_ids]
+    for module, stage_id in zip(modules, stage_ids, strict=True):
+        module.compute_dtype = compute_dtype
+        stage_pc = dataclasses.replace(pc, recompute=_stage_recompute(pc.recompute, *ranges[stage_id], module))
+        parallelize(module, stage_pc, mesh)
+    return stage_ids, modules
 
 
 def _stage_recompute(mode: str | list[str], first: int, end: int, module: StageModule):

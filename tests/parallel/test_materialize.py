@@ -43,3 +43,13 @@ def test_v3_671b_on_2048_ranks_dry_run():
     report = dry_run(preset("v3-671b"), pc, rank=2047)
     print(report)
     assert "ranks 0-" in report and "-2047 " in report and "nothing materialized" in report
+
+
+def test_dry_run_takes_a_recompute_mode_per_block_with_pp():
+    """`plan balance` writes a --parallel with one recompute mode per block (main layers, then MTP); the dry run cuts
+    the list per stage as training does (the list reached each stage whole: "4 modes for 2 blocks")."""
+    cfg = preset("tiny")
+    modes = [("none", "full")[i % 2] for i in range(cfg.num_hidden_layers)] + ["full"] * cfg.num_nextn_predict_layers
+    pc = ParallelConfig(pp=2, microbatches=2, recompute=modes)
+    for rank in (0, 1):
+        assert "nothing materialized" in dry_run(cfg, pc, rank=rank)
