@@ -265,8 +265,9 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def read_config_file(path: str | Path) -> dict[str, Any]:
-    """A YAML or TOML config file (pretrain's, GRPO's) → its mapping; a clear error for anything else."""
+def read_config_file(path: str | Path, holds: str = "TrainConfig keys") -> dict[str, Any]:
+    """A YAML or TOML config file (pretrain's, GRPO's, a quantization recipe, a probe config) → its mapping of
+    `holds`; a clear error for anything else."""
     path = Path(path)
     if not path.exists():
         raise ValueError(f"config file {path} does not exist")
@@ -279,9 +280,9 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         else:
             raise ValueError(f"config file {path}: use a .yaml, .yml or .toml extension")
     except (tomllib.TOMLDecodeError, yaml.YAMLError) as e:
-        raise ValueError(f"config file {path} does not parse: {e}") from e
+        raise ValueError(f"config file {path} does not parse: {' '.join(str(e).split())}") from e  # one line
     if not isinstance(raw, dict):
-        raise ValueError(f"config file {path} must hold a mapping of TrainConfig keys")
+        raise ValueError(f"config file {path} must hold a mapping of {holds}")
     return raw
 
 

@@ -30,8 +30,9 @@ from importlib import resources
 from pathlib import Path
 
 import torch
-import yaml
 from safetensors import safe_open
+
+from seekforge.config import read_config_file
 
 METRICS = ("cosine", "max_abs_err", "max_rel_err", "within_1e-3", "within_5e-3")
 CSV_COLUMNS = ("order", "direction", "module", "reference", "call", "slot", "status", *METRICS,
@@ -101,7 +102,7 @@ def load_mapping(name_or_path: str | Path | None) -> list[Rule]:
             raise ValueError(f"mapping {name_or_path!r}: no such file and no shipped mapping of that name; "
                              f"shipped: {names}")
         path = Path(str(shipped))
-    raw = yaml.safe_load(path.read_text()) or {}
+    raw = read_config_file(path, "mapping rules")
     rules = []
     for i, rule in enumerate(raw.get("rules", [])):
         if "pattern" not in rule or ("replace" in rule) == ("skip" in rule):

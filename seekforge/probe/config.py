@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-import yaml
+from seekforge.config import read_config_file
 
 DUMP_MODES = ("statistics", "tensor", "md5")
 DIRECTIONS = ("forward", "backward")
@@ -76,7 +76,7 @@ class ProbeConfig:
 
 def load_probe_config(path: str | Path) -> ProbeConfig:
     """A YAML file with optional `dump`, `monitor` and `trace` tables of the dataclasses' fields."""
-    raw = yaml.safe_load(Path(path).read_text()) or {}
+    raw = read_config_file(path, "probe tables (dump, monitor, trace)")
     kinds = {"dump": DumpConfig, "monitor": MonitorConfig, "trace": TraceConfig}
     unknown = set(raw) - set(kinds)
     if unknown:

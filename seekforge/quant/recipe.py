@@ -28,9 +28,9 @@ import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-import yaml
 from torch import nn
 
+from seekforge.config import read_config_file
 from seekforge.model.hf import hf_name
 from seekforge.model.moe import GroupedExperts
 from seekforge.quant.schemes import SCHEMES, W8A16, Scheme, with_group_size
@@ -72,7 +72,9 @@ class Recipe:
                 raise ValueError(f"smoothing_strength={self.smoothing_strength}: SmoothQuant's α lies in [0, 1]")
         if self.group_size is not None and self.quant_scheme.weights.strategy != "group":
             raise ValueError(f"group_size is for grouped schemes (w4a16*); {self.scheme} is per channel: remove it")
-        for key in ("num_calibration_samples", "max_seq_length", "block_size"):
+        for key in ("num_calibration_samples", "max_seq_length", "block_size", "group_size"):
+            if key == "group_size" and self.group_size is None:
+                continue
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
                 raise ValueError(f"{key}={getattr(self, key)!r}: give a positive integer")
         if not self.targets:
@@ -89,9 +91,7 @@ class Recipe:
 
     @classmethod
     def from_file(cls, path: str | Path) -> Recipe:
-        data = yaml.safe_load(Path(path).read_text())
-        if not isinstance(data, dict):
-            raise ValueError(f"recipe {path} is not a YAML mapping of Recipe fields")
+        data = read_config_file(path, "Recipe fields")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:

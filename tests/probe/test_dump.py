@@ -106,6 +106,11 @@ def test_bad_config_names_the_fix(tmp_path):
     (tmp_path / "probe.yaml").write_text("dump: {mode: tensor, stepz: [1]}\n")
     with pytest.raises(ValueError, match="stepz"):
         load_probe_config(tmp_path / "probe.yaml")
+    (tmp_path / "probe.yaml").write_text("dump: {mode: tensor\n")
+    with pytest.raises(ValueError, match="probe.yaml does not parse"):
+        load_probe_config(tmp_path / "probe.yaml")
+    with pytest.raises(ValueError, match="does not exist"):
+        load_probe_config(tmp_path / "absent.yaml")
 
 
 def test_activation_recompute_replays_are_not_new_calls(tmp_path):
