@@ -99,6 +99,11 @@ def load(model: str, impl: str):
             raise ValueError("--impl transformers needs transformers: pip install 'seekforge[reference]'") from e
         if not Path(model).is_dir():
             raise ValueError(f"--impl transformers needs a checkpoint directory, got {model!r}")
+        from seekforge.model.hf import open_shard, shard_files
+
+        for file in shard_files(Path(model))[0]:  # a truncated shard: our one-line error, not transformers' traceback
+            with open_shard(file):
+                pass
         return transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32,
                                                                  attn_implementation="eager").eval()
     from seekforge.config import PRESETS, preset

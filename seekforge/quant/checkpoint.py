@@ -24,12 +24,20 @@ import uuid
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
 from seekforge.config import ModelConfig
-from seekforge.model.hf import drop_absent_mtp, hf_config, hf_layout, materialize, replace_dir, shard_files
+from seekforge.model.hf import (
+    drop_absent_mtp,
+    hf_config,
+    hf_layout,
+    materialize,
+    open_shard,
+    read_tensor,
+    replace_dir,
+    shard_files,
+)
 from seekforge.model.moe import GroupedExperts
 from seekforge.quant.linear import QuantExperts, QuantLinear
 from seekforge.quant.recipe import matches, module_names, quantizable
@@ -222,9 +230,9 @@ def load_compressed(path: str | Path, dtype: torch.dtype = torch.float32, device
     files, _ = shard_files(path)
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
-        with safe_open(file, framework="pt") as f:
+        with open_shard(file) as f:  # a truncated or corrupt file: a ValueError naming it
             for name in f.keys():
-                tensors[name] = f.get_tensor(name)
+                tensors[name] = read_tensor(f, name, file)
     cfg = drop_absent_mtp(cfg, dict.fromkeys(tensors, files[0]))
     model = materialize(cfg, device, dtype)
     plan = module_schemes(model, qc)

@@ -42,6 +42,16 @@ def recipe_from_args(args):
     return recipe
 
 
+def check_out(out: Path, model: Path) -> None:
+    """ValueError where writing `out` would replace a checkpoint that is not a quantized one (the model's own, or
+    another by a slip of the hand): the output replaces its directory whole."""
+    config = out / "config.json"
+    same = out.exists() and out.resolve() == model.resolve()
+    if same or config.exists() and "quantization_config" not in config.read_text(errors="replace"):
+        raise ValueError(f"--out {out} holds a checkpoint that is not quantized{' (the --model one)' if same else ''}, "
+                         "which the output would replace; give another --out directory")
+
+
 def run(args):
     from seekforge.model.load import load_model
     from seekforge.quant.calibrate import quantize_model
@@ -50,6 +60,7 @@ def run(args):
     from seekforge.quant.recipe import resolve
 
     recipe = recipe_from_args(args)
+    check_out(Path(args.out), Path(args.model))
     model, tokenizer = load_model(args.model)  # fp32: calibration statistics and GPTQ in full precision
     resolve(model, recipe)  # patterns and group sizes, before anything else
     samples = None

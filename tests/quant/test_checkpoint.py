@@ -48,6 +48,17 @@ def test_the_full_precision_loader_names_what_loads_it(saved):
         load_hf(saved[1])
 
 
+def test_a_truncated_checkpoint_is_one_error_naming_the_file(saved, tmp_path):
+    """As the full-precision loader says it (model/hf.open_shard), not safetensors' own error from deep inside."""
+    import shutil
+
+    damaged = shutil.copytree(saved[1], tmp_path / "damaged")
+    weights = damaged / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(ValueError, match="model.safetensors is not a readable safetensors file.*truncated or corrupt"):
+        load_compressed(damaged)
+
+
 def test_loads_in_bf16_and_decodes(saved):
     """bf16 activations: the absorbed decode path reads kv_b_proj.weight in the model's dtype."""
     _, path = saved

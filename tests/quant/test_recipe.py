@@ -79,6 +79,8 @@ def test_calibration_data_that_does_not_tokenize(tmp_path, tiny):
     ("scheme: w4a16\ngroup_size: 32\ntargets: ['re:.*no_such_proj$']\n", "matches no linear module"),
     ("scheme: w3a16\n", "unsupported scheme"),
     ("scheme: w8a8-static\nnum_calibration_samples: 2\ndataset: DATA\n", "tokenizes to 0"),
+    ("scheme: w4a16\ngroup_size: 0\n", "group_size=0: give a positive integer"),
+    ("scheme: w4a16\ntargets: [Linear\n", "does not parse"),
 ])
 def test_cli_bad_recipe_is_one_message_and_writes_nothing(tmp_path, recipe_text, message):
     """The three ways a recipe goes wrong (a module that does not exist, a scheme we do not have,
@@ -93,3 +95,17 @@ def test_cli_bad_recipe_is_one_message_and_writes_nothing(tmp_path, recipe_text,
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and message in result.stderr
     assert not out.exists()
+
+
+def test_cli_refuses_a_missing_recipe_and_an_output_over_a_full_precision_checkpoint(tmp_path):
+    """The output replaces its directory whole: over the model's own checkpoint (or another full-precision one) it
+    would lose it, so that is refused before anything is loaded."""
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "config.json").write_text('{"model_type": "deepseek_v3"}')
+    for how, message in ((["--scheme", "w8a8-dynamic", "--out", str(full)], "not quantized"),
+                         (["--recipe", str(tmp_path / "none.yaml"), "--out", str(tmp_path / "q")], "does not exist")):
+        result = subprocess.run([sys.executable, "-m", "seekforge", "quantize", "--model", "tiny", *how],
+                                capture_output=True, text=True, timeout=120)
+        assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert [p.name for p in full.iterdir()] == ["config.json"]
