@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         module.run(args)
     except KeyboardInterrupt:  # Ctrl-C: one line (and how to go on, where the verb says), not a traceback
-        hint = getattr(module, "ON_INTERRUPT", "")
+        hint = module.on_interrupt(args) if hasattr(module, "on_interrupt") else ""
         print(f"\nseekforge {argv[0]}: interrupted{'; ' + hint if hint else ''}", file=sys.stderr)
         sys.exit(130)
     except ValueError as e:

@@ -587,3 +587,22 @@ class TrainConfig:
         if unknown:
             raise ValueError(f"parallel has unknown key(s) {unknown}; valid ParallelConfig keys: {sorted(names)}")
         return ParallelConfig(**{"recompute": self.recompute, "compile": self.compile, **self.parallel})
+
+
+CONFIG_HELP = ("a config.json or a checkpoint directory holding one, a training run directory, or a pretrain config "
+               "(YAML/TOML: its preset and model table)")
+
+
+def model_config_of(source: str | Path) -> ModelConfig:
+    """The model a config names (`seekforge info`, `seekforge plan`): a config.json or a checkpoint directory holding
+    one; a pretrain config (YAML/TOML: its preset and model table); a training run directory (its HF export's config,
+    else its train_config.yaml's model)."""
+    path = Path(source)
+    if path.suffix in (".yaml", ".yml", ".toml"):
+        raw = read_config_file(path)
+        return preset(raw.get("preset", TrainConfig.preset), **(raw.get("model") or {}))
+    if path.is_dir() and not (path / "config.json").exists():
+        for inside in (path / "hf" / "config.json", path / "train_config.yaml"):
+            if inside.exists():
+                return model_config_of(inside)
+    return ModelConfig.from_hf(path)

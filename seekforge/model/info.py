@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from seekforge.config import PRESETS, ModelConfig, preset
+from seekforge.config import CONFIG_HELP, PRESETS, ModelConfig, model_config_of, preset
 
 
 def add_arguments(p):
     src = p.add_mutually_exclusive_group()
     src.add_argument("--preset", choices=sorted(PRESETS), help="a built-in config")
-    src.add_argument("--config", help="a config.json, or a checkpoint directory holding one")
+    src.add_argument("--config", help=CONFIG_HELP)
 
 
 def describe(cfg: ModelConfig) -> str:
@@ -36,7 +34,7 @@ def describe(cfg: ModelConfig) -> str:
 
 def run(args):
     if args.config:
-        cfg = ModelConfig.from_hf(Path(args.config))
+        cfg = model_config_of(args.config)
     else:
         cfg = preset(args.preset or "tiny")
     print(describe(cfg))

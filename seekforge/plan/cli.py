@@ -11,17 +11,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-from pathlib import Path
 
 from seekforge.config import (
+    CONFIG_HELP,
     PRESETS,
     ModelConfig,
     ParallelConfig,
-    TrainConfig,
+    model_config_of,
     parse_bytes,
     parse_parallel,
     preset,
-    read_config_file,
 )
 
 GiB = 2**30
@@ -87,19 +86,12 @@ def add_arguments(p):
 def _model_args(p):
     src = p.add_mutually_exclusive_group()
     src.add_argument("--preset", choices=sorted(PRESETS), default="v3-671b", help="model preset")
-    src.add_argument("--config", help="a config.json, a checkpoint directory holding one, or a pretrain config "
-                                      "(YAML/TOML: its preset and model table)")
+    src.add_argument("--config", help=CONFIG_HELP)
     p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence")
 
 
 def _model(args) -> ModelConfig:
-    if not args.config:
-        return preset(args.preset)
-    path = Path(args.config)
-    if path.suffix in (".yaml", ".yml", ".toml"):  # a pretrain config: the model it trains
-        raw = read_config_file(path)
-        return preset(raw.get("preset", TrainConfig.preset), **raw.get("model", {}))
-    return ModelConfig.from_hf(path)
+    return model_config_of(args.config) if args.config else preset(args.preset)
 
 
 def _parallel(spec: str, **overrides) -> ParallelConfig:

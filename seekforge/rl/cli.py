@@ -40,7 +40,12 @@ _FLAGS = [
 _DEFAULTS = GRPOConfig()
 
 
-ON_INTERRUPT = "rerun the same command to resume from the run's last checkpoint"
+def on_interrupt(args) -> str:
+    """What Ctrl-C says (seekforge/cli.py): how to go on."""
+    from seekforge.train.checkpoint import interrupt_hint
+
+    cfg = config_from_args(args)
+    return interrupt_hint(cfg.out_dir, cfg.save_interval)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -258,6 +258,18 @@ def step_dirs(ckpt_root: Path) -> list[Path]:
     return [p for _, p in sorted(steps, reverse=True)]
 
 
+def interrupt_hint(out_dir: str | Path, save_interval: int) -> str:
+    """What an interrupted run's user is told: how to go on from its last checkpoint, or that none is saved yet."""
+    root = Path(out_dir) / "checkpoints"
+    saved = step_dirs(root) if root.is_dir() else []
+    if saved:
+        return (f"rerun the same command to resume from the run's last checkpoint, {saved[0].name} "
+                "(--set save_interval=N: how often)")
+    when = f"one every {save_interval} steps" if save_interval else "one at the end only"
+    return (f"no checkpoint is saved yet (save_interval={save_interval}: {when}), so a rerun starts over; "
+            "--set save_interval=N saves sooner")
+
+
 def latest_checkpoint(ckpt_root: str | Path, fallback: bool = True, verify: bool = True) -> Path | None:
     """The checkpoint to resume from: the one `latest` names, checked against its manifest; None when
     there is none yet. A damaged one raises CorruptFileError (file and reason) when fallback=False;

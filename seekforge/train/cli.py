@@ -47,7 +47,12 @@ DEFAULT_RUN_MODEL = dict(hidden_size=192, num_hidden_layers=4, intermediate_size
 DEFAULT_RUN = dict(steps=300, schedule="wsd", lr=4e-3, min_lr=2e-4, warmup=20)
 
 
-ON_INTERRUPT = "rerun the same command to resume from the run's last checkpoint (--set save_interval=N: how often)"
+def on_interrupt(args) -> str:
+    """What Ctrl-C says (seekforge/cli.py): how to go on."""
+    from seekforge.train.checkpoint import interrupt_hint
+
+    cfg = config_from_args(args)
+    return interrupt_hint(cfg.out_dir, cfg.save_interval)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -203,8 +203,10 @@ def _train(cfg: TrainConfig, pc: ParallelConfig | None, model_cfg: ModelConfig, 
         old = step_dirs(out_dir / "checkpoints") if (out_dir / "checkpoints").is_dir() else []
         if old:
             say(f"--no-resume: starting over; the earlier run's {len(old)} checkpoint(s) and metrics are removed")
-        (out_dir / "metrics.jsonl").unlink(missing_ok=True)
-        shutil.rmtree(out_dir / "checkpoints", ignore_errors=True)
+        for file in ("metrics.jsonl", "loss.png"):
+            (out_dir / file).unlink(missing_ok=True)
+        for folder in ("checkpoints", "tensorboard"):  # TensorBoard would draw the old steps and the new as one curve
+            shutil.rmtree(out_dir / folder, ignore_errors=True)
     if is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "train_config.yaml").write_text(yaml.safe_dump(train_config_to_dict(cfg), sort_keys=False))

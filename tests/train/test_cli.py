@@ -34,10 +34,21 @@ def test_pretrain_cli_writes_run_artifacts(tmp_path, capsys):
     from transformers import AutoTokenizer
 
     assert AutoTokenizer.from_pretrained(out / "hf")("ab<|eos|>")["input_ids"] == [97, 98, 257]
+    capsys.readouterr()
+    for source in (out, out / "hf"):  # `info --config` takes the run directory for its HF export
+        main(["info", "--config", str(source)])
+        assert "layers 3 (1 dense, 2 MoE)" in capsys.readouterr().out
 
     # Rerunning the same command resumes; the finished run has nothing left to do.
     main(["pretrain", "--config", str(config), "--out-dir", str(out), "--set", "sample_prompt="])
     assert "nothing to train" in capsys.readouterr().out
+
+    # --no-resume starts over with nothing of the earlier run left to mix in: one TensorBoard event file, 4 records
+    main(["pretrain", "--config", str(config), "--out-dir", str(out), "--set", "sample_prompt=", "--no-resume",
+          "--set", "export_hf=false"])
+    assert "starting over" in capsys.readouterr().out
+    assert len(list((out / "tensorboard").glob("events.out.tfevents.*"))) == 1
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
 
 
 def test_resume_refuses_another_model_and_says_a_changed_schedule(tmp_path, capsys):
@@ -120,3 +131,20 @@ def test_convert_refuses_a_damaged_checkpoint(tmp_path, capsys):
             main(["convert", str(source), str(tmp_path / "hf")])
         assert exit_info.value.code == 2
         assert shard.name in capsys.readouterr().err
+
+
+def test_ctrl_c_says_whether_a_rerun_resumes(tmp_path, capsys, monkeypatch):
+    """Interrupted before its first save, a run has nothing to resume from: the line says so (it had promised a resume
+    either way); after one, it names the checkpoint a rerun resumes from."""
+    from seekforge.train import pretrain as pretrain_module
+
+    def interrupted(cfg):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pretrain_module, "pretrain", interrupted)
+    out = tmp_path / "run"
+    for expected in ("no checkpoint is saved yet (save_interval=100", "last checkpoint, step_000004"):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["pretrain", "--preset", "tiny", "--out-dir", str(out)])
+        assert exit_info.value.code == 130 and expected in capsys.readouterr().err
+        (out / "checkpoints" / "step_000004").mkdir(parents=True, exist_ok=True)
