@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import shutil
 import time
 from pathlib import Path
 
@@ -114,7 +113,7 @@ def _grpo(cfg: GRPOConfig) -> None:
     from seekforge.rl.report import plot_reward_curve
     from seekforge.rl.trainer import GRPOTrainer
     from seekforge.train.checkpoint import latest_checkpoint
-    from seekforge.train.metrics import read_metrics
+    from seekforge.train.metrics import read_metrics, start_over
 
     is_main = not dist.is_initialized() or dist.get_rank() == 0
     say = print if is_main else (lambda *a, **k: None)
@@ -137,8 +136,7 @@ def _grpo(cfg: GRPOConfig) -> None:
         trainer.resume(latest)
         say(f"resumed from {latest} at step {trainer.step_count}")
     elif is_main:  # a fresh start: an old run's curve and checkpoints would mix in
-        (out_dir / "metrics.jsonl").unlink(missing_ok=True)
-        shutil.rmtree(out_dir / "checkpoints", ignore_errors=True)
+        start_over(out_dir, "reward.png")
     if is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "grpo_config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))

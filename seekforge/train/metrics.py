@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 
@@ -38,6 +39,17 @@ class MetricsLogger:
         if self.enabled:
             self._file.close()
             self._tb.close()
+
+
+def start_over(out_dir: str | Path, plot: str) -> None:
+    """Remove an earlier run's records from `out_dir` (a fresh start, --no-resume): its checkpoints, and its metrics,
+    TensorBoard events and `plot`, which would otherwise mix into the new run's (TensorBoard draws both as one
+    curve)."""
+    out_dir = Path(out_dir)
+    for file in ("metrics.jsonl", plot):
+        (out_dir / file).unlink(missing_ok=True)
+    for folder in ("checkpoints", "tensorboard"):
+        shutil.rmtree(out_dir / folder, ignore_errors=True)
 
 
 def read_metrics(jsonl_path: str | Path) -> list[dict]:

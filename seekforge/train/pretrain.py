@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 import time
 from pathlib import Path
 
@@ -38,6 +37,7 @@ from seekforge.parallel.mesh import build_mesh, init_distributed
 from seekforge.parallel.parallelize import parallelize
 from seekforge.train.checkpoint import latest_checkpoint, step_dirs
 from seekforge.train.config_file import train_config_to_dict
+from seekforge.train.metrics import start_over
 from seekforge.train.optim import lr_at
 from seekforge.train.trainer import Trainer, prepare_model
 
@@ -203,10 +203,7 @@ def _train(cfg: TrainConfig, pc: ParallelConfig | None, model_cfg: ModelConfig, 
         old = step_dirs(out_dir / "checkpoints") if (out_dir / "checkpoints").is_dir() else []
         if old:
             say(f"--no-resume: starting over; the earlier run's {len(old)} checkpoint(s) and metrics are removed")
-        for file in ("metrics.jsonl", "loss.png"):
-            (out_dir / file).unlink(missing_ok=True)
-        for folder in ("checkpoints", "tensorboard"):  # TensorBoard would draw the old steps and the new as one curve
-            shutil.rmtree(out_dir / folder, ignore_errors=True)
+        start_over(out_dir, "loss.png")
     if is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "train_config.yaml").write_text(yaml.safe_dump(train_config_to_dict(cfg), sort_keys=False))
