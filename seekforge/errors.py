@@ -14,6 +14,14 @@ class UserError(ValueError):
     """Bad user input or a bad user file; the message names it and says what to do."""
 
 
+class InvalidSetting(UserError):
+    """One setting's value is out of its range; `name` is the setting (the server reports it as OpenAI's `param`)."""
+
+    def __init__(self, name: str, message: str):
+        self.name = name
+        super().__init__(message)
+
+
 class CorruptFileError(UserError):
     """A file on disk is damaged, truncated or not what its name says; `path` and `reason` say how."""
 

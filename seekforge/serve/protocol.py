@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from seekforge.errors import InvalidSetting
 from seekforge.serve.sequence import SamplingParams
 from seekforge.serve.structured import StructuredOutput
 
@@ -71,16 +72,16 @@ class _Sampling(BaseModel):
             raise ValueError("give one of response_format, guided_* and structured_outputs, not several")
         return found[0] if found else None
 
-    def unsupported(self) -> str | None:
-        """The first field set to something seekforge cannot do, with the reason, else None."""
+    def check_supported(self) -> None:
+        """InvalidSetting (the field, the reason) for the first field set to something seekforge cannot do."""
         if self.logit_bias:
-            return "logit_bias is not supported; remove it"
+            raise InvalidSetting("logit_bias", "logit_bias is not supported; remove it")
         if self.stream_options and not self.stream:
-            return "stream_options is only allowed with stream=true"
+            raise InvalidSetting("stream_options", "stream_options is only allowed with stream=true")
         if self.stream_options and self.stream_options.continuous_usage_stats \
                 and not self.stream_options.include_usage:
-            return "stream_options.continuous_usage_stats needs include_usage=true"
-        return None
+            raise InvalidSetting("stream_options.continuous_usage_stats",
+                                 "stream_options.continuous_usage_stats needs include_usage=true")
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         return SamplingParams(
@@ -103,14 +104,15 @@ class CompletionRequest(_Sampling):
     best_of: int | None = None
     suffix: str | None = None
 
-    def unsupported(self) -> str | None:
+    def check_supported(self) -> None:
         if self.max_tokens == 0 and not self.echo:
-            return "max_tokens=0 only makes sense with echo=true (score the prompt); give max_tokens >= 1"
+            raise InvalidSetting("max_tokens", "max_tokens=0 only makes sense with echo=true (score the prompt); give "
+                                               "max_tokens >= 1")
         if self.best_of is not None and self.best_of != self.n:
-            return "best_of is not supported; use n"
+            raise InvalidSetting("best_of", "best_of is not supported; use n")
         if self.suffix:
-            return "suffix is not supported; remove it"
-        return super().unsupported()
+            raise InvalidSetting("suffix", "suffix is not supported; remove it")
+        super().check_supported()
 
     def completion_params(self) -> SamplingParams:
         """max_tokens 0 with echo (scoring a prompt, as lm-eval does) runs one step like vLLM and shows
@@ -188,12 +190,15 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
 
-    def unsupported(self) -> str | None:
+    def check_supported(self) -> None:
+        if self.max_completion_tokens is not None and self.max_completion_tokens < 1:  # else reported as max_tokens
+            raise InvalidSetting("max_completion_tokens",
+                                 f"max_completion_tokens={self.max_completion_tokens}: must be an integer >= 1")
         if self.top_logprobs and not self.logprobs:
-            return "top_logprobs needs logprobs=true"
+            raise InvalidSetting("top_logprobs", "top_logprobs needs logprobs=true")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
-            return f"top_logprobs={self.top_logprobs}: must be in [0, 20]"
-        return super().unsupported()
+            raise InvalidSetting("top_logprobs", f"top_logprobs={self.top_logprobs}: must be in [0, 20]")
+        super().check_supported()
 
     @property
     def max_new_tokens(self) -> int | None:

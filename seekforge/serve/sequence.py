@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from seekforge.errors import InvalidSetting
 from seekforge.serve.structured import StructuredOutput
 
 GREEDY_BELOW = 1e-5  # temperatures below this sample greedily
@@ -52,7 +53,7 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
 
         def bad(key, expected):
-            raise ValueError(f"{key}={getattr(self, key)!r}: {expected}")
+            raise InvalidSetting(key, f"{key}={getattr(self, key)!r}: {expected}")
 
         def integer(value) -> bool:
             return isinstance(value, int) and not isinstance(value, bool)

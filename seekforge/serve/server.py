@@ -33,6 +33,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from seekforge.config import PRESETS
+from seekforge.errors import InvalidSetting
 from seekforge.model.precision import auto_dtype_help
 from seekforge.probe.trace import OnDemandTracer, StepTimer
 from seekforge.serve import limits
@@ -121,7 +122,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
     @app.exception_handler(ValueError)
     async def _value_error(_, exc: ValueError):
-        return APIError(str(exc)).response()
+        return APIError(str(exc), param=exc.name if isinstance(exc, InvalidSetting) else None).response()
 
     @app.exception_handler(Exception)
     async def _internal(_, exc: Exception):
@@ -153,9 +154,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     def check(req) -> str | None:
         """Validate; → the LoRA adapter the request's `model` names (None: the base model)."""
         lora = check_model(req.model)
-        problem = req.unsupported()
-        if problem:
-            raise APIError(problem)
+        req.check_supported()  # InvalidSetting: a 400 naming the field
         return lora
 
     @app.get("/health")

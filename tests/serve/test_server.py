@@ -203,6 +203,8 @@ def test_errors_are_openai_400s(live_server, body, message):
     assert message in error["message"] and error["type"] == "invalid_request_error"
     if message == "not valid JSON":
         assert error["param"] is None  # not pydantic's position in the text
+    if message in ("max_tokens", "temperature", "top_k", "seed", "suffix", "logit_bias"):  # the field by name
+        assert error["param"] == message
 
 
 def chat_body(**fields) -> dict:
@@ -228,6 +230,7 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
     ("chat/completions", chat_body(tools=[TOOL, TOOL]), "more than once"),
     ("chat/completions", chat_body(response_format={"type": "json_schema", "json_schema": "x"}), "json_schema.schema"),
     ("chat/completions", chat_body(structured_outputs={"choice": "abc"}), "choice must be"),
+    ("chat/completions", chat_body(max_completion_tokens=0), "max_completion_tokens=0"),
     ("tokenize", {"messages": [{"role": "user", "content": "x"}], "tools": [{"function": {"name": "f"}}]},
      "tools.0.type"),
     ("tokenize", {"prompt": "\ud800"}, "lone surrogate"),
