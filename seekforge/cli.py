@@ -1,36 +1,72 @@
 """`seekforge <verb>`: one entry point; each verb's arguments and code live with its subsystem.
 
-A verb module provides `add_arguments(parser)` and `run(args)`; it is imported only when its verb
-runs, so `seekforge --help` stays fast and a missing optional dependency only affects its verb.
+A verb module provides `add_arguments(parser)` and `run(args)` (and may provide `on_interrupt(args)`: what
+Ctrl-C should tell the user). `verb_module` imports it only when its verb runs, so `seekforge --help` stays
+fast and a missing optional dependency only affects its verb. The imports are plain import statements, so
+a reader, and import-linter's layer contract, see which module serves which verb (docs/ARCHITECTURE.md).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 from pathlib import Path
+from types import ModuleType
 
 VERBS = {
-    "info": ("seekforge.model.info", "print a model's size (total / activated / MTP parameters)"),
-    "generate": ("seekforge.model.generate", "generate text from a checkpoint or preset (single sequence)"),
-    "pretrain": ("seekforge.train.cli", "pretrain a model (built-in corpus by default)"),
-    "preprocess": ("seekforge.data.preprocess", "tokenize JSONL/text into Megatron .bin/.idx files"),
-    "convert": ("seekforge.train.convert", "convert between seekforge checkpoints and HF format"),
-    "checkpoint": ("seekforge.train.checkpoint_cli", "verify a run's training checkpoints (sizes, sha256)"),
-    "serve": ("seekforge.serve.server", "serve a model behind an OpenAI-compatible HTTP API"),
-    "bench": ("seekforge.serve.bench", "benchmark a running server (`seekforge bench serve`)"),
-    "plan": ("seekforge.plan.cli", "plan a training job: memory, pipeline schedules, stage balance, layout search"),
-    "probe": ("seekforge.probe.cli", "dump, compare and report module activations; trace a running job"),
-    "quantize": ("seekforge.quant.cli", "quantize a checkpoint by a recipe (W8A8, W4A16) to compressed-tensors"),
-    "eval": ("seekforge.quant.eval", "held-out perplexity and built-in task accuracy of any checkpoint"),
-    "grpo": ("seekforge.rl.cli", "GRPO post-training with co-located rollouts (built-in task by default)"),
+    "info": "print a model's size (total / activated / MTP parameters)",
+    "generate": "generate text from a checkpoint or preset (single sequence)",
+    "pretrain": "pretrain a model (built-in corpus by default)",
+    "preprocess": "tokenize JSONL/text into Megatron .bin/.idx files",
+    "convert": "convert between seekforge checkpoints and HF format",
+    "checkpoint": "verify a run's training checkpoints (sizes, sha256)",
+    "serve": "serve a model behind an OpenAI-compatible HTTP API",
+    "bench": "benchmark a running server (`seekforge bench serve`)",
+    "plan": "plan a training job: memory, pipeline schedules, stage balance, layout search",
+    "probe": "dump, compare and report module activations; trace a running job",
+    "quantize": "quantize a checkpoint by a recipe (W8A8, W4A16) to compressed-tensors",
+    "eval": "held-out perplexity and built-in task accuracy of any checkpoint",
+    "grpo": "GRPO post-training with co-located rollouts (built-in task by default)",
 }
 
 
+def verb_module(verb: str) -> ModuleType:
+    """The module that serves `verb` (a key of VERBS)."""
+    match verb:
+        case "info":
+            from seekforge.model import info as module
+        case "generate":
+            from seekforge.model import generate as module
+        case "pretrain":
+            from seekforge.train import cli as module
+        case "preprocess":
+            from seekforge.data import preprocess as module
+        case "convert":
+            from seekforge.train import convert as module
+        case "checkpoint":
+            from seekforge.train import checkpoint_cli as module
+        case "serve":
+            from seekforge.serve import server as module
+        case "bench":
+            from seekforge.serve import bench as module
+        case "plan":
+            from seekforge.plan import cli as module
+        case "probe":
+            from seekforge.probe import cli as module
+        case "quantize":
+            from seekforge.quant import cli as module
+        case "eval":
+            from seekforge.quant import eval as module
+        case "grpo":
+            from seekforge.rl import cli as module
+        case _:
+            raise KeyError(f"no verb {verb!r}; the verbs are {', '.join(VERBS)}")
+    return module
+
+
 def is_user_error(e: BaseException) -> bool:
-    """A UserError, or a ValueError that seekforge's own code raised (STYLE.md: ValueError with the fix
+    """A UserError, or a ValueError that seekforge's own code raised (docs/STYLE.md: ValueError with the fix
     for bad user input). A ValueError from inside torch or another library is not one: its message
     names no file or fix, so it keeps its traceback."""
     from seekforge.errors import UserError
@@ -52,13 +88,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     sub = parser.add_subparsers(dest="verb", metavar="VERB")
     argv = sys.argv[1:] if argv is None else argv
-    for verb, (_, help_text) in VERBS.items():
+    for verb, help_text in VERBS.items():
         sub.add_parser(verb, help=help_text, add_help=False)
     if not argv or argv[0] not in VERBS:
         parser.parse_args(argv or ["--help"])
         return
-    module = importlib.import_module(VERBS[argv[0]][0])
-    verb_parser = argparse.ArgumentParser(prog=f"seekforge {argv[0]}", description=VERBS[argv[0]][1],
+    module = verb_module(argv[0])
+    verb_parser = argparse.ArgumentParser(prog=f"seekforge {argv[0]}", description=VERBS[argv[0]],
                                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     module.add_arguments(verb_parser)
     args = verb_parser.parse_args(argv[1:])

@@ -1,7 +1,7 @@
 """Errors a user's input or files cause, as opposed to bugs.
 
 `seekforge <verb>` prints a UserError as one line (what, which file or value, the fix) and exits 2; a
-bug keeps its traceback. UserError is a ValueError, so STYLE.md's "ValueError with the fix" and
+bug keeps its traceback. UserError is a ValueError, so docs/STYLE.md's "ValueError with the fix" and
 every existing `except ValueError` keep working.
 """
 

@@ -1,4 +1,4 @@
-"""The layer contract (pyproject.toml [tool.importlinter], ARCHITECTURE.md): imports flow downward."""
+"""The layer contract (pyproject.toml [tool.importlinter], docs/ARCHITECTURE.md): imports flow downward."""
 
 import os
 import shutil
