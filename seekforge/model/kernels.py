@@ -1,36 +1,31 @@
 """CPU kernels of our own, compiled on first use (csrc/): decode attention over MLA latents and linear layers
-over a few rows.
+over a few rows. Each exists because PyTorch's CPU path for the same call is slower on AVX-512 CPUs without AMX;
+what each gains is measured by benchmarks/cpu_kernels.py (BENCHMARKS.md, cpu_kernels.py).
 
 Decode attention (csrc/latent_attention.cpp). At decode, each sequence's heads are the query rows of one
 attention over its latents [c_kv | k_pe] (MLA._attend_latents). PyTorch's flash kernel runs that as two small
-GEMM calls per sequence, and at M = 8 rows (the `small` preset's heads) their per-call costs dominate: 64
-sequences × 192 latents × 576 took 4.2-4.5 ms a layer in bf16 and 4.1-5.7 ms in fp32 on an AVX512-BF16 CPU
-without AMX (AMD EPYC, 2 threads), against 2.4-2.8 and 3.4-4.1 ms for this kernel, which reads each latent row
-once for both passes. At long contexts attention is most of a batch-1 step: the kernel requests the latent rows
-ahead of the scores pass (the weights' stream has evicted them since the last step) and splits one sequence's
-latents over the threads; batch-1 decode at 4,096 tokens of context (kv_lora_rank 512, bf16, 2 threads) went from
-12.9 to 5.2 ms/token with both.
+GEMM calls per sequence, and at M = 8 rows (the `small` preset's heads) their per-call costs dominate; this kernel
+reads each latent row once for both passes. At long contexts attention is most of a batch-1 step: the kernel
+requests the latent rows ahead of the scores pass (the weights' stream has evicted them since the last step) and
+splits one sequence's latents over the threads (serve_throughput.py --batch1-context measures it).
 
 Linear layers over one to four rows (csrc/linear_rows.cpp: batch-1 decode, the chosen experts of one token, MLA's
-absorbed per-head products). There a linear layer is a stream over its weight, each value used once. On that
-CPU (one row, 2 threads, the `small` preset's 192×512 to 4096×512 weights, each read from memory, where a plain
-sum streams 26-40 GB/s) oneDNN's bf16 GEMM read them at 5-13 GB/s and the kernel, which reads each weight row
-front to back, at 12-28 GB/s (1.7-2.6×, benchmarks/cpu_kernels.py); MKL's fp32 GEMM at 8-14 and the kernel at
-18-30 GB/s (2.0-3.1×). oneDNN's bf16 bmm also copies the absorbed products' per-head views (a gap between the
-heads) into contiguous ones at every call, which the kernel reads in place. A token's chosen experts run as one
-call per projection over the stacked experts' weights (linear_rows_indexed), which reads the chosen ones in place:
-a MoE layer of the `small` preset at batch 1 took 242-284 against 356-407 µs eager with a call per expert (1
-thread). Each thread requests its weight stream 8 KiB ahead of its reads (the hardware prefetchers start every
-small weight cold), the absorbed key products included (they read a (64, r) block per head: from memory 23-28
-µs a call on `small` without, 9-11 with): batch-1 decode of the `small` preset went from 1.9-3.0 to 1.3-2.1
-ms/token (bf16, 1 thread, 7 alternating runs of each build).
+absorbed per-head products). There a linear layer is a stream over its weight, each value used once, and the
+speed limit is the memory bandwidth: oneDNN's bf16 GEMM and MKL's fp32 GEMM read such weights well below what a
+plain sum streams, and the kernel, which reads each weight row front to back, comes closer to it. oneDNN's bf16
+bmm also copies the absorbed products' per-head views (a gap between the heads) into contiguous ones at every
+call, which the kernel reads in place. A token's chosen experts run as one call per projection over the stacked
+experts' weights (linear_rows_indexed), which reads the chosen ones in place instead of a call per expert. Each
+thread requests its weight stream 8 KiB ahead of its reads (the hardware prefetchers start every small weight
+cold), the absorbed key products included (they read a (64, r) block per head, the slowest call of a step from
+memory without it).
 
-On CPUs with AMX PyTorch's kernels run bf16 on AMX tiles (decode attention ~1.2 ms a layer on the AMX machine
-BENCHMARKS.md was measured on); these kernels have no AMX path and are not used there.
+On CPUs with AMX PyTorch's kernels run bf16 on AMX tiles and keep decode attention fast; these kernels have no AMX
+path and are not used there.
 
 They are built with torch.utils.cpp_extension (a C++ compiler and ninja, the same toolchain torch.compile needs
-on a CPU) into torch's extension cache, once per machine and torch install (~20-60 s); a process then loads them in
-milliseconds.
+on a CPU) into torch's extension cache, once per machine and torch install (tens of seconds); a process then
+loads them in milliseconds.
 Where they cannot be built, or SEEKFORGE_CPU_KERNELS=0, PyTorch's kernels run.
 """
 
@@ -123,7 +118,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def bmm_t(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """torch.bmm(x, weight.transpose(1, 2)) for x (G, M, K) and weight (G, N, K) (MLA's absorbed value weights,
     a view with a gap between heads), by the kernel where it takes the call: oneDNN's bf16 bmm first copies such
-    a view into a contiguous transposed one, 0.2-0.4 ms a layer at batch 1, more than the product takes."""
+    a view into a contiguous transposed one, which at batch 1 costs more than the product itself."""
     if _loaded and linear_takes(x, weight, grouped=True):
         return torch.ops.seekforge.linear_rows(x, weight, None)
     return torch.bmm(x, weight.transpose(1, 2))

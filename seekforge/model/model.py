@@ -35,7 +35,7 @@ class RMSNorm(nn.Module):
             if x.device.type == "cpu" and type(x) is torch.Tensor and not torch.compiler.is_compiling():
                 if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
                     return _RMSNorm.apply(x, self.weight, self.eps)
-                if x.numel() >= 16 * x.shape[-1]:  # fewer rows: F.rms_norm's one call costs less (~11 vs 15 µs)
+                if x.numel() >= 16 * x.shape[-1]:  # fewer rows: F.rms_norm's one call has the smaller fixed cost
                     return torch.mul(x, _rstd(x, self.eps)).mul_(self.weight)  # serving: no Function to enter
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         # Normalize in fp32, round to the input dtype, then scale (HF's order, so bf16 results match);
@@ -51,8 +51,9 @@ def _rstd(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 class _RMSNorm(torch.autograd.Function):
     """fp32 x · rsqrt(mean(x²) + eps) · w for CPU, as F.rms_norm computes it (≤ 2e-6 apart: the mean
-    square comes from one fused norm pass), 1.3–1.6x faster forward + backward at training sizes;
-    saves x and the (N, 1) rstd only. Its forward math alone serves inference (~1.8x at 64 rows)."""
+    square comes from one fused norm pass), faster forward + backward at training sizes than F.rms_norm's
+    five ops with a backward each (the A/B is in this file's git history); saves x and the (N, 1) rstd only. Its
+    forward math alone serves inference, where it is faster from 16 rows."""
 
     @staticmethod
     def forward(ctx, x, weight, eps):
@@ -135,8 +136,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     # (..., 2, dr/2) = [x1; x2]: five ops where [x1·cos − x2·sin | x2·cos + x1·sin] took nine (each op costs
     # microseconds at decode sizes); the same products and sums, so the same bits. Copied contiguous first:
     # x is a slice of q or of the latent projection, and the interleaved pairs a transposed view of it, which
-    # the elementwise ops walk slowly (a 2,048-token prefill's q: 2.3 vs 0.7 ms bf16; forward + backward
-    # at training sizes, ~2x).
+    # the elementwise ops walk several times slower than a contiguous copy, in prefill and in training alike.
     pairs = x.unflatten(-1, (half, 2)).transpose(-1, -2) if interleave else x.unflatten(-1, (2, half))
     pairs = pairs.contiguous()
     rotated = pairs.flip(-2) * sin  # [x2·sin; x1·sin]
@@ -225,8 +225,8 @@ class MLA(nn.Module):
     def _attention(self, q, k, v, mask, is_causal, fused=False):
         """q (B, nh, T, dqk), k (B, nh, S, dqk), v (B, nh, S, dv) → (B, nh, T, dv)."""
         if q.device.type == "cpu" and not fused:
-            # PyTorch's CPU SDPA kernels run at ~100 GFLOP/s fwd+bwd here (the fused flash kernel also
-            # needs v padded to dqk); attention as plain batched matmuls is ~1.5x faster (2 threads).
+            # For training, attention as plain batched matmuls beats PyTorch's CPU SDPA kernels forward +
+            # backward (the fused flash kernel also needs v padded to dqk; the A/B is in this file's git history).
             if torch.is_autocast_enabled("cpu"):  # autocast runs SDPA in its dtype; a Function is not cast
                 q, k, v = (t.to(torch.get_autocast_dtype("cpu")) for t in (q, k, v))
             # One copy each into the (B, nh, ·, ·) layout: batched matmuls take a transposed last-two-
@@ -236,9 +236,9 @@ class MLA(nn.Module):
                 mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
             return MatmulAttention.apply(q, k, v, mask, self.softmax_scale)
         if q.device.type == "cpu" and v.shape[-1] < q.shape[-1]:
-            # Forward only, the CPU flash kernel wins: it skips the causal half and never writes the scores
-            # (a 2,048-token prompt's layer: 7 vs 60 ms bf16, 26 vs 117 ms fp32, 2 threads). It wants v as wide
-            # as q and k (else its unfused path, 3-30x slower), so v is zero-padded and the padding dropped.
+            # Forward only (prefill), the CPU flash kernel wins by far, in bf16 and fp32: it skips the causal
+            # half and never writes the scores. It wants v as wide as q and k (else it takes its much slower
+            # unfused path), so v is zero-padded and the padding dropped.
             v_pad = F.pad(v, (0, q.shape[-1] - v.shape[-1]))
             out = F.scaled_dot_product_attention(q, k, v_pad, attn_mask=mask, is_causal=is_causal and mask is None,
                                                  scale=self.softmax_scale)
@@ -249,7 +249,7 @@ class MLA(nn.Module):
     def attend_absorbed(self, q_nope, q_pe, c_kv, k_pe, mask=None, kv_b_weight=None, latents=None):
         """Same contract as attend_naive, never materializing per-head keys or values. Batched matmuls
         over explicit layouts: torch.einsum's Python front end costs as much as a 512² matmul per call
-        at decode sizes (~30 µs), and this runs once per layer per step. `latents` (B, S, r + dr): c_kv
+        at decode sizes, and this runs once per layer per step. `latents` (B, S, r + dr): c_kv
         and k_pe side by side in one tensor (they are its views), when the caller has them so (serving's
         dense decode rows); attention is then one fused kernel over it (_attend_latents)."""
         w_uk, w_uv = self.kv_b_weights(kv_b_weight)  # (nh, dn, r), (nh, dv, r)
@@ -273,9 +273,8 @@ class MLA(nn.Module):
         rows of a single-head attention, and each block of latents is read once for the scores and the
         weighted sum (the two batched matmuls read them twice). The values are the whole latents and the
         last dr columns of the output are dropped: PyTorch's CPU flash kernel wants the values as wide as
-        the keys (with v = c_kv alone it falls back to its unfused path, ~8x slower). 64 decode rows,
-        kv_lora_rank 512, 64 × (128 + 128) generate, A/B: the layer's attention 3.4 vs 3.9 s fp32, 2.3 vs
-        3.3 s bf16 (2 threads)."""
+        the keys (with v = c_kv alone it falls back to its much slower unfused path). Faster than the two
+        batched matmuls at decode in fp32 and bf16 (the A/B is in this file's git history)."""
         b, s, r = latents.shape[0], latents.shape[1], latents.shape[2] - self.cfg.qk_rope_head_dim
         prefix_mask = mask is None or mask.shape[:3] == (b, 1, 1)  # (B, 1, 1, S): one per decode row
         if t == 1 and kernels.ready() and kernels.attention_takes(latents) and prefix_mask:
@@ -466,7 +465,7 @@ class DocumentLayout:
 class _Relayout(torch.autograd.Function):
     """A DocumentLayout's gather between the packed (B·T, ...) and the per-document (D·L, ...) rows, with
     the inverse gather as backward: autograd's own backward for x[index] is a scattered accumulate
-    (index_put_, serial on CPU: ~8% of a GRPO training phase). Exact because every token has exactly
+    (index_put_, serial on CPU: a visible share of a GRPO training phase). Exact because every token has exactly
     one slot: to the documents, a padding slot repeats token 0 but its gradient is zero (a padded
     query's output is never gathered back, and causal attention never reads a right-padded key), so a
     token's gradient is its own slot's; back from them, the padding slots' gradient is zero."""

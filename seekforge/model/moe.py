@@ -22,10 +22,10 @@ from seekforge.model.dtensor import local_tensor
 from seekforge.model.kernels import Linear
 from seekforge.model.precision import onednn_size, uses_onednn
 
-# GroupedExperts.forward_batched's padded rows at most this many times the real ones, where oneDNN runs the
-# mms (CPU bf16/fp16, 2 threads: the padded bmm measured 0.35-0.65x the per-expert loop's time at 3-4x
-# padding, 0.84x at prefill sizes) and where MKL does (CPU fp32: 16 experts × 16 rows, five layers, bmm
-# unpadded / 2x padded vs the loop: 12.9 / 16.6 vs 17.9 ms on an AMX CPU, 17.6 / 22.8 vs 20.1 ms on AVX2).
+# GroupedExperts.forward_batched's padded rows at most this many times the real ones. Where oneDNN runs the mms
+# (CPU bf16/fp16) its per-call cost lets one padded bmm beat the per-expert loop even at several times the rows;
+# where MKL does (CPU fp32, measured on AMX and AVX2 CPUs) the loop wins beyond a little padding. Measured at
+# decode and prefill sizes when these were set (git log -S MAX_BATCHED_PADDING).
 MAX_BATCHED_PADDING = 4
 MAX_BATCHED_PADDING_FP32 = 1.5
 
@@ -148,7 +148,7 @@ def weighted_sum(unsorted: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """unsorted (N, K, H) expert outputs in (token, k) order, weights (N, K) → (N, H).
 
     A broadcast multiply and a sum over k: einsum's batched (1, K) @ (K, H) bmm, forward and
-    backward, was ~3x slower on CPU. The products round to the outputs' dtype before the
+    backward, was several times slower on CPU. The products round to the outputs' dtype before the
     (fp32-accumulated) sum."""
     return (unsorted * weights.to(unsorted.dtype).unsqueeze(-1)).sum(dim=1)
 
@@ -156,7 +156,7 @@ def weighted_sum(unsorted: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 class _GatherCopies(torch.autograd.Function):
     """x.index_select(0, index) where the output rows are copies of x's rows, copy (n, j) of row n
     sitting at row inverse[n·k + j]: every row of x copied exactly k times. autograd's own backward
-    for x[index] is a scattered accumulate (index_put_, serial on CPU: ~10 ms a layer here); knowing
+    for x[index] is a scattered accumulate (index_put_, serial on CPU: slow at training sizes); knowing
     where the copies are makes it a gather plus a sum over the k copies."""
 
     @staticmethod
@@ -198,7 +198,7 @@ class GroupedExperts(nn.Module):
         """Decoding one token without autograd: x (1, H), router weights and indices (1, K) → the weighted
         sum of its K experts' outputs (1, H), straight through the chosen experts' weights — the same mms
         and the same weighted sum as dispatch → forward → combine, without the sort, the two gathers and
-        the per-expert row bookkeeping around them (~40% of a MoE layer's time at batch 1, fp32)."""
+        the per-expert row bookkeeping around them (a large share of a MoE layer's time at batch 1)."""
         if kernels.ready() and kernels.linear_takes(x, self.gate_up_proj[0]):
             # the few-rows kernel, reading the chosen experts' weights in place: one call per projection
             chosen, k = indices[0], indices.shape[1]
@@ -236,8 +236,8 @@ class GroupedExperts(nn.Module):
         """Inference without autograd on CPU: x (N, H), router weights (N, K) and the copies' slots → the
         weighted sum of each token's K experts' outputs (N, H), as dispatch → forward → combine computes it.
         Each copy sits in its slot of an (E, C, H) batch, the other rows zero, and each projection is one bmm
-        over all the experts: oneDNN's per-call cost made the per-expert loop of mms 1.5-3x slower than this
-        at decode sizes (bf16, 2 threads); MKL's small-row fp32 mms ~1.4x (see MAX_BATCHED_PADDING)."""
+        over all the experts: at decode sizes the per-expert loop of mms is slower, by oneDNN's per-call cost
+        in bf16 and by MKL's small-row mms in fp32 (see MAX_BATCHED_PADDING)."""
         n, k = weights.shape
         e, h = self.down_proj.shape[:2]
         rows = x.new_zeros(e * slots.cap, h)
@@ -386,9 +386,9 @@ def _expert_rows(counts, weight, skip_empty=True):
 class BucketedRows:
     """Each expert's rows zero-padded to `precision.onednn_size` of their count, for the CPU matmuls that
     oneDNN runs (bf16, fp16), which build a kernel per new shape: routing gives every expert a new row
-    count every step, and a bf16 training step spent most of its expert time building kernels (a layer's
-    expert forward 38 ms in place against 6 ms replayed). The zero rows add nothing to a weight gradient,
-    and their outputs are dropped."""
+    count every step, and a bf16 training step spent most of its expert time building kernels (the same
+    expert forward ran several times faster replayed with shapes oneDNN had seen). The zero rows add
+    nothing to a weight gradient, and their outputs are dropped."""
 
     def __init__(self, counts: list[int], padded_counts: list[int]):
         self.counts, self.padded_counts = counts, padded_counts
@@ -423,9 +423,9 @@ def _grouped_mm_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
     if not hasattr(torch, "_grouped_mm") or x.dtype != weight.dtype:
         return False
     if x.device.type == "cpu":
-        # torch's CPU _grouped_mm runs each group as an mm into a strided slice of the output, at
-        # ~1/3 of plain mm speed (torch 2.13, bf16); the per-expert loop of plain mms is ~1.8x
-        # faster for a whole MoE layer forward + backward (benchmarks/train_step.py).
+        # torch's CPU _grouped_mm runs each group as an mm into a strided slice of the output, well
+        # below plain mm speed (torch 2.13, bf16); the per-expert loop of plain mms is faster for a
+        # whole MoE layer forward + backward (train_step.py's transformers:grouped_mm row, BENCHMARKS.md).
         return False
     if x.dtype not in (torch.float32, torch.bfloat16) or x.shape[0] == 0:
         return False

@@ -3,8 +3,8 @@
 A decode step reads every active weight once, and on 4 KiB pages the `small` model's 37 MB a token span
 ~9,000 pages: far more than the CPU's second-level TLB holds (~2,000 entries, 8 MiB), so each page of a weight
 costs a page-table walk, and the hardware prefetchers stop at every page's edge. On 2 MiB pages the same bytes
-are ~20 pages. Measured on the serving benchmark's `small` model (bf16, 1 thread, an AVX512 EPYC): batch-1
-decode 1.04-1.21× faster in four A/B runs (BENCHMARKS.md, Serving).
+are ~20 pages. On the serving benchmark's `small` model (bf16, 1 thread, an AVX512 EPYC) batch-1 decode was
+faster in every A/B run (git log -p BENCHMARKS.md has them).
 
 `collapse` asks the kernel to move memory that already holds tensors onto huge pages where it lies
 (`madvise(MADV_COLLAPSE)`, Linux 6.1+): the same addresses and values, so tensors shared with others (GRPO's

@@ -1,12 +1,12 @@
 """Which compute dtype this machine runs fast.
 
 bf16 halves the bytes of every weight and activation, but only hardware with native bf16 matmuls turns
-that into speed: GPUs, and CPUs with AVX512-BF16 or AMX. A CPU with AVX2 only emulates it — a bf16
-1024³ matmul ran at 0.6 GFLOP/s there against 69 GFLOP/s in fp32 — so `auto` means bf16 on those
-devices and fp32 everywhere else. Flags are not the whole story: one AVX512-BF16 machine measured its bf16
-matmuls at 414 GFLOP/s (fp32 253–296) one morning and at 210 (fp32 408) that evening, when the default
-pretrain's step ran 2x faster in fp32. So on a CPU with the flags, `auto` also times one 1024³ matmul in
-each dtype (once per process, ~50 ms) and keeps bf16 only where it measured at least 1.2x fp32's speed;
+that into speed: GPUs, and CPUs with AVX512-BF16 or AMX. A CPU with AVX2 only emulates it, about a hundred
+times slower than its fp32, so `auto` means bf16 on those devices and fp32 everywhere else. Flags are not the
+whole story: one AVX512-BF16 machine measured its bf16 matmuls well ahead of fp32 one morning and behind it that
+evening, when the default pretrain's step ran faster in fp32. So on a CPU with the flags, `auto` also times one
+1024³ matmul in each dtype (once per process, a fraction of a second) and keeps bf16 only where it measured at
+least BF16_MIN_SPEEDUP times fp32's speed;
 near that ratio the pick can differ between runs — give bf16 or fp32 for a fixed one. Under torchrun
 (WORLD_SIZE > 1) the flags alone decide, so that every rank picks the same dtype. Nor does a fast 1024³
 probe speak for a narrow model's small matmuls: given the model's width, `auto` keeps fp32 on a CPU below
@@ -80,15 +80,12 @@ def _ranks() -> int:
 
 
 # Below this width `auto` keeps fp32 on a CPU even when its bf16 matmuls are fast: the matmuls are too small
-# for the bf16 kernels to outrun fp32 (oneDNN, which runs them, also costs ~30 µs a call against ~10 µs for
-# MKL's fp32 at one row), and the casts around them remain. The default pretrain (hidden 192) took 81 vs 95 s
-# in bf16 vs fp32 on an AMX CPU, ending at a worse loss (eval 0.236 vs 0.226) with 1.5x the peak RSS, and
-# served no faster in bf16 on an AVX512-BF16 CPU without AMX (AMD EPYC, 2 threads: 64 × (128 + 128) at
-# 2,450-2,890 vs 2,600-3,040 new tok/s, batch 1 5.8-5.9 vs 4.7-5.5 ms/token). From 512 wide bf16 pays for
-# training, GRPO's rollouts and serving alike: the `small` preset trained at 2,412 vs ~1,450 tok/s (AMX) and
-# 1,649 vs 968 (AMD); its engine served 64 × (128 + 128) at 950-1,380 vs 600-900 new tok/s, batch 1 8.3-9.3
-# vs 15-17 ms/token (AMD, eager); kv_lora_rank 512, compiled: 1,900 vs 1,030 new tok/s, batch 1 3.3 vs
-# 4.2 ms/token (AMX; eager batch 1 there: 7.4-7.7 vs 6.9 ms/token, the one row where fp32 stays ahead).
+# for the bf16 kernels to outrun fp32 (oneDNN, which runs them, also has a higher fixed cost a call than MKL's
+# fp32 at one row), and the casts around them remain. The default pretrain (hidden 192) was a little faster in
+# bf16 on an AMX CPU but ended at a worse loss with more memory, and served no faster in bf16 on an AVX512-BF16
+# CPU without AMX. From 512 wide bf16 pays for training, GRPO's rollouts and serving alike, on both kinds of
+# CPU (the `small` preset: train_step.py, serve_throughput.py, serve_peers.py; BENCHMARKS.md and, for the
+# bf16/fp32 A/B runs that set this width, its history: git log -p BENCHMARKS.md).
 CPU_MIN_BF16_HIDDEN = 512
 
 
@@ -122,16 +119,15 @@ def resolve_dtype(name: str, device: str | torch.device = "cpu",
 
 
 # oneDNN, which runs a CPU's bf16 and fp16 matmuls, builds (JIT-compiles) a kernel for each new shape and
-# caches it: ~2 ms for a 300×512 @ 512×512 bf16 mm whose row count it has not seen against 0.16 ms for one
-# it has, and ~1.2 MB of memory per cached kernel. Work whose sizes change every step (expert row counts,
+# caches it: an mm whose row count it has not seen costs an order of magnitude more than one it has, and each
+# cached kernel holds about a megabyte. Work whose sizes change every step (expert row counts,
 # packed rows, a growing decode context) rounds them up with `onednn_size` so that the shapes repeat.
 # fp32 runs on MKL, which builds nothing per shape.
 #
 # oneDNN keeps the last 1,024 kernels by default. A GRPO iteration in bf16 needs more (rollout shapes, then
-# training shapes), so each phase evicted the other's kernels and rebuilt 200-450 of them every iteration:
-# 12.2-13.8 s an iteration of the `small` preset against 9.6-11.0 s with room for 4,096, at the same peak
-# RSS (a kernel holds ~1 MB, and an evicted kernel's memory did not go back to the system anyway: 4,000
-# shapes of one matmul grew RSS by 8.5 GB with 1,024 kept, 10.5 GB with 4,096). So seekforge asks for
+# training shapes), so each phase evicted the other's kernels and rebuilt hundreds of them every iteration,
+# which made a `small` iteration markedly slower than with room for 4,096, at the same peak RSS (an evicted
+# kernel's memory did not go back to the system anyway). So seekforge asks for
 # 4,096. oneDNN reads the variable when it builds its first kernel, so this holds unless something
 # built one before seekforge was imported; a value set by the user wins.
 ONEDNN_CACHE_CAPACITY = 4096
@@ -163,10 +159,10 @@ def onednn(enabled: bool):
     """CPU matmuls inside run on oneDNN (torch's default for bf16) or, when `enabled` is False, on torch's
     own kernels; the switch is process-wide, restored on the way out.
 
-    For a one-row bf16 matmul oneDNN's fixed cost per call is ~30 µs against ~15 µs for torch's own bf16
-    gemv (a 1×512 @ 512×512: 46 vs 22 µs on an AMX CPU), which is what batch-1 decoding runs ~100 times
-    per token. Products that read a matrix across its rows, as attention's probs @ latents does, go the
-    other way: torch's own kernels ran them 3-12x slower (0.2 vs 2.5 ms at 4,096 cached tokens)."""
+    For a one-row bf16 matmul oneDNN's fixed cost per call is about twice torch's own bf16 gemv (measured
+    on an AMX CPU), and batch-1 decoding runs ~100 of them per token. Products that read a matrix across its
+    rows, as attention's probs @ latents does, go the other way: torch's own kernels ran them several times
+    slower, so attention stays on oneDNN."""
     before = torch._C._get_mkldnn_enabled()
     torch._C._set_mkldnn_enabled(enabled)
     try:

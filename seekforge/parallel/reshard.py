@@ -15,7 +15,7 @@ Per tensor and per destination (rank r, box B):
 Steps 1–2 depend only on (B, r's boxes ∩ B); ranks that share them (replicas of one shard) reuse the
 geometry, and when every source copy cuts the tensor the same way the regions are the box's
 intersections with the source boxes, found in one vectorized test. A v3-671b plan from 2048 training
-ranks to 256 serving ranks (2.5M transfers) takes about two minutes (BENCHMARKS.md).
+ranks to 256 serving ranks (2.5M transfers) is planned in one process (benchmarks/reshard.py times it; BENCHMARKS.md).
 
 A destination rank may hold several boxes of one tensor (a pipeline rank with two stages holds the
 embedding twice) but not two different boxes that overlap: `check_destination` refuses that.

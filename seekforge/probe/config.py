@@ -45,7 +45,8 @@ class MonitorConfig:
     # submodule (`*` crosses dots). The head's (B, T, V) logits cost more to summarize than a block.
     modules: list[str] = field(default_factory=lambda: ["re:layers\\.\\d+", "re:mtp\\.\\d+"])
     # Steps between records. The anomaly rules and the statistics they dump run every step; a record's
-    # weight/optimizer-state norms read every parameter twice and copy it once (~10% of a CPU step).
+    # weight/optimizer-state norms read every parameter twice and copy it once: too costly for every step
+    # (probe_overhead.py's monitor:every-step row, BENCHMARKS.md).
     interval: int = 10
     window: int = 20  # running mean over this many previous steps
     min_history: int = 3  # steps seen before spike rules fire

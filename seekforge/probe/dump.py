@@ -67,7 +67,7 @@ def tensor_summary(t: torch.Tensor, with_md5: bool = False) -> dict:
     if t.numel() == 0:
         summary["values"] = None
     else:
-        # Everything but fp64 reduces in fp32; one upcast copy first is ~2x faster on CPU than reductions
+        # Everything but fp64 reduces in fp32; one upcast copy first is faster on CPU than reductions
         # that upcast element by element (bf16 mean and norm with dtype=float32).
         x = t if t.dtype in (torch.float32, torch.float64) else t.float()
         acc = x.dtype

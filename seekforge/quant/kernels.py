@@ -68,7 +68,7 @@ def int8_grouped_matmul(x: torch.Tensor, qweights_t: list[torch.Tensor], weight_
     repeated over its expert's rows): one activation quantization and one rescale for all rows, and
     only the int8 GEMM per expert, written in place. At batch-1 decode each call is a few
     microseconds of dispatch, so the per-expert path's 2 × top-k quantize/rescale rounds cost more
-    than the GEMMs (BENCHMARKS.md, Quantization)."""
+    than the GEMMs (benchmarks/int8_linear.py; BENCHMARKS.md)."""
     rows = None if input_scale is None else input_scale.float().repeat_interleave(counts)[:, None]  # (S, 1)
     xq, x_scale = quantize_activation(x, rows)
     acc = torch.empty(x.shape[0], weight_scale.shape[1], dtype=torch.int32)  # (S, O)

@@ -31,7 +31,7 @@ class GRPOConfig:
     base: str = ""  # HF checkpoint directory of the starting policy; "": prepare the built-in base
     tokenizer: str = "byte"  # used with the built-in base; a given base brings its own
     # ArithmeticTask levels of the prompts. Level 1 (20,000 questions) over level 2 (~950, so RL prompts
-    # repeat what the base memorized): +8 vs +5 held-out points from a 30%-36% base (BENCHMARKS.md, GRPO)
+    # repeat what the base memorized): +8 vs +5 held-out points from a 30%-36% base (git log -p BENCHMARKS.md)
     task_levels: list[int] = field(default_factory=lambda: [1])
     rewards: list[str] = field(default_factory=lambda: ["arithmetic"])  # built-in names or module:function
     reward_weights: list[float] = field(default_factory=lambda: [1.0])
@@ -51,9 +51,9 @@ class GRPOConfig:
     warmup: int = 0
     weight_decay: float = 0.0
     clip_grad: float = 1.0
-    # rows of up to 2048 tokens: fewer, larger matmuls per expert and fewer per-row passes. grpo_step's training
-    # phase (bf16, 2 threads, the same rows' worth of sequences): 3.25-3.31 s against 3.94-3.95 s at 1024, 5.2 s
-    # at 512, 3.24-3.43 s at 4096; fp32 on AVX2 (emulated): the same either way (6.7-7.1 s)
+    # rows of up to 2048 tokens: fewer, larger matmuls per expert and fewer per-row passes. grpo_step's bf16
+    # training phase was faster than at 1024 or 512 and no slower than at 4096; fp32 on AVX2 did not care
+    # (benchmarks/grpo_step.py; the A/B is in git log -p BENCHMARKS.md)
     max_pack_tokens: int = 2048
     max_pack_count: int = 64
     swap: bool = True  # free the engine's KV pool during training; offload reference / optimizer state
@@ -76,7 +76,7 @@ class GRPOConfig:
     model: dict[str, Any] = field(default_factory=dict)  # ModelConfig overrides of DEFAULT_BASE_MODEL
     base_steps: int = 4000  # at most; it stops early at base_target_accuracy or a plateau (rl/base.py)
     # 1e-3: the base learned the units digit within ~1,200-3,600 steps in each of nine runs; at 3e-3 the
-    # clean corpus was at 31% after 2,500 steps and the slip corpus at 11% after 3,000 (BENCHMARKS.md)
+    # clean corpus was at 31% after 2,500 steps and the slip corpus at 11% after 3,000 (git log -p BENCHMARKS.md)
     base_lr: float = 1e-3
     base_check_interval: int = 100
     base_target_accuracy: float = 0.5

@@ -1,23 +1,22 @@
 """Decode steps as compiled programs (`EngineConfig.compile`, `seekforge serve --compile`).
 
-A decode step is ~500 small eager ops around the matmuls. On a CPU each op costs 5-25 µs once a streamed
+A decode step is ~500 small eager ops around the matmuls. On a CPU each op costs microseconds once a streamed
 weight matrix has pushed the interpreter's and the dispatcher's working set out of the caches, so at one
 sequence the ops cost about as much as the matmuls. `torch.compile` (inductor) traces the step once — the
 model's own modules, with the latent cache below standing in for the paged one — and fuses the ops
 between the matmuls into a few generated C++ kernels: the role CUDA graphs play for vLLM's GPU decode.
-Measured on the serving benchmarks' model (hidden 512, kv_lora_rank 512, fp32, 2 threads; BENCHMARKS.md):
-batch 1 4.1-4.5 against 7.1-7.8 ms/token, 64 requests 1,009-1,059 against 917-939 new tok/s; the same greedy
-tokens.
+It makes batch-1 decode several times faster and batched decode faster too, with the same greedy tokens
+(serve_throughput.py and serve_peers.py print the compiled and the eager engine side by side; BENCHMARKS.md).
 
 The steps it runs are the plain decode steps that read the dense decode rows (kv_cache.DenseRows): the
 latents each row computes go to their pool slot, as always, and to its dense row, which attention then
 reads. Three programs, each traced once with dynamic shapes (every context length, dense capacity and
-batch size) and compiled at engine start (`warm_up`; the three ~130 s on 2 cores the first time, ~15 s with
+batch size) and compiled at engine start (`warm_up`; minutes on 2 cores the first time, seconds from
 inductor's on-disk cache): one sequence (its experts' weights read as views, model/moe.py), several
 sequences of one context length, and several of different lengths (masked). Once traced, a program's compiled
 graph is called directly (DirectEntry), not through dynamo's entry. A new set of decoding sequences has its
 dense rows built from the pool first (eagerly, a copy), then runs compiled from its first step on (eager, its
-first two steps took ~3x a compiled one each: 11.9 and 10.4 vs 3.5 ms at batch 1). Everything else — prefill chunks,
+first steps each cost several compiled ones). Everything else — prefill chunks,
 speculative verifies, LoRA rows, int8 latents — runs eagerly.
 """
 
@@ -120,7 +119,7 @@ def inductor_entry(compiled):
 
 class DirectEntry:
     """A traced program's compiled graph, called without dynamo's entry (its frame hook, a prologue reading ~120
-    parameters through module attributes, AOT's wrappers: ~0.3-0.5 ms a step, 10-15% of batch 1).
+    parameters through module attributes, AOT's wrappers: a tenth or more of a batch-1 step).
 
     The graph's inputs are what dynamo recorded as their sources: the model's (`L['args'][0]._modules['norm']
     ._parameters['weight']`: its parameters and buffers; its config's floats are constants, `_run`) are kept as
@@ -129,7 +128,7 @@ class DirectEntry:
     call by one generated function.
 
     Where it can, it calls inductor's C++ function itself (`inductor_entry`), skipping the Python between it
-    and dynamo (AOT's runtime wrapper, inductor's conversion of every input: ~0.1 ms a step). That is the same
+    and dynamo (AOT's runtime wrapper, inductor's conversion of every input, each step). That is the same
     call when the graph updates the tensors it writes itself and takes the inputs dynamo passes, one for one:
     so only where no two inputs share memory (else AOT would have merged or rebased them), and once it
     returned what dynamo's entry did and wrote the rows the step writes (`matches`)."""
@@ -226,7 +225,7 @@ class CompiledDecode:
         self.caches = caches
         # dynamic: each program serves every context length, dense capacity and batch size. fullgraph: a graph
         # break would bring back the eager ops this exists to remove, so tracing one is an error. No guards:
-        # checking them read every parameter's metadata (~0.3 ms a step); each program is called only in the
+        # checking them read every parameter's metadata every step; each program is called only in the
         # kind of step it was traced for (`applies`, `__call__`), on the same modules. The backend: `_backend`.
         self.programs = {name: torch.compile(_own_copy(fn), backend=self._backend(name), dynamic=True, fullgraph=True,
                                              options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe})
@@ -280,14 +279,14 @@ class CompiledDecode:
         entry = self.entries.get(program)
         if entry is not None:
             return entry(args)
-        if program in self.traced:  # the settings below matter to tracing only, and cost ~0.2 ms a step to patch
+        if program in self.traced:  # the settings below matter to tracing only, and patching them costs every step
             return self.programs[program](*args)
         # capture_scalar_outputs: the chosen experts' ids and the expert batch's size as traced integers
         # (model/moe.py). specialize_float: the model's floats (its config's epsilons and scales) as the constants
         # they are. As graph inputs, the ~13 a program passes on to an op that takes a Python float (an RMSNorm's
         # epsilon, the attention kernel's scale) cannot become tensors, and dynamo restarted the whole trace to
-        # specialize them: each program was traced twice, and an engine of `small` started from the compile cache
-        # in 49 s against 14-19 s. No duck shapes: two sizes that happen to be equal when traced (two layers' dense
+        # specialize them: each program was traced twice, and an engine started from the compile cache took
+        # about three times as long. No duck shapes: two sizes that happen to be equal when traced (two layers' dense
         # capacities, say) must not become one symbol, as nothing checks them later.
         with torch._dynamo.config.patch(capture_scalar_outputs=True, specialize_float=True), \
                 shape_config.patch(use_duck_shape=False):
@@ -307,11 +306,11 @@ class CompiledDecode:
         return written
 
     def _backend(self, program: str):
-        """torch.compile's backend for `program`: inductor, the step's kernels called from generated C++
-        (cpp_wrapper: batch 1 5.6-6.8 vs 7.1-8.7 ms/token) without checking the sizes and strides of every input
-        and kernel output at every step (~300 calls; the traced shapes already say them), our kernels called through
-        their C entry points, not the dispatcher (kernels.c_shims); and the compiled graph kept with where each of its
-        inputs comes from, for DirectEntry."""
+        """torch.compile's backend for `program`: inductor, the step's kernels called from generated C++ (cpp_wrapper: a
+        faster batch 1 than inductor's Python wrapper) without checking the sizes and strides of every input and kernel
+        output at every step (~300 calls; the traced shapes already say them), our kernels called through their C entry
+        points, not the dispatcher (kernels.c_shims); and the compiled graph kept with where each of its inputs comes
+        from, for DirectEntry."""
         def compile(gm: torch.fx.GraphModule, example_inputs, **_):
             from torch._inductor.compile_fx import compile_fx  # imports dynamo: only when a program is traced
 

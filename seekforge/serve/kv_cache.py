@@ -21,14 +21,13 @@ row / prefill chunk its block table and query/context lengths. Every layer's
              prompts (nothing cached before them) as one call over a batch of documents (`fresh_runs`).
              Both on PyTorch's fused attention kernel (`MLA.attend_naive(fused=True)`).
 
-Dense decode rows (`DenseRows`): gathering every decode row's blocks copies the whole decode context
-of every layer each step (64 rows × 192 tokens × 512 fp32 latents: 4.3 ms a layer, as long as the
-attention over it took then, as two batched matmuls). While the same sequences decode step after step
-(plain one-token decodes), each layer instead keeps their latents in a dense (rows, capacity, r + dr)
-tensor, gathered from the pool once on the second step of the same decoding set (on its first where the
-steps run compiled: serve/compiled.py), appended to in place every step after, and attention reads it as a
-view. The pool is written as always (it stays the source of truth: prefix caching, preemption, spec decode
-and multi-step read it).
+Dense decode rows (`DenseRows`): gathering every decode row's blocks copies the whole decode context of every
+layer each step, which took as long as the attention over it (then two batched matmuls). While the same
+sequences decode step after step (plain one-token decodes), each layer instead keeps their latents in a dense
+(rows, capacity, r + dr) tensor, gathered from the pool once on the second step of the same decoding set (on
+its first where the steps run compiled: serve/compiled.py), appended to in place every step after, and
+attention reads it as a view. The pool is written as always (it stays the source of truth: prefix caching,
+preemption, spec decode and multi-step read it).
 """
 
 from __future__ import annotations
@@ -81,8 +80,8 @@ def fresh_runs(query_lens: list[int], starts: list[int], num_heads: int,
                device) -> dict[int, tuple[int, DocumentLayout]]:
     """Prefill chunks (their query lengths and first positions, in flat order) → the runs of two or more
     adjacent fresh ones (a prompt's first chunk: no cached context) to attend as one batch of documents.
-    One chunk at a time costs some 20 small ops per chunk and layer (with the fused kernel, 64 prompts of 128
-    tokens prefill in 690-770 instead of 820-950 ms, bf16, 2 threads; BENCHMARKS.md). A run grows while the
+    One chunk at a time costs some 20 small ops per chunk and layer, which a batch of many short prompts
+    (serve_throughput.py's 64 requests) pays visibly. A run grows while the
     padding to its longest prompt keeps the padded (D, L, L) scores within 2x of the chunks' own and within
     SCORES_CHUNK_BYTES."""
     runs, i, n = {}, 0, len(query_lens)
@@ -166,9 +165,9 @@ class GatherScratch:
     other, and each consumes its gathered latents before the next layer gathers).
 
     A fresh tensor per gather costs more than the copy into it once it is large: glibc serves
-    allocations over 32 MiB with a fresh mmap, whose pages fault in on first touch. 64 decode rows ×
-    256 tokens × 512 fp32 latents gathered in 20.9 ms into a new tensor vs 6.2 ms into a reused one
-    (1 thread). The buffers only grow; `clear` frees them (GRPO frees the pool between rollouts)."""
+    allocations over 32 MiB with a fresh mmap, whose pages fault in on first touch: a large decode
+    gather into a new tensor took several times as long as into a reused one. The buffers only grow;
+    `clear` frees them (GRPO frees the pool between rollouts)."""
 
     def __init__(self, dense_rows: DenseRows | None = None):
         self.buffers: dict[str, torch.Tensor] = {}
@@ -190,8 +189,8 @@ class GatherScratch:
 def zeros_on_demand(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
     """torch.zeros(shape), on a CPU backed by an anonymous memory map: the kernel supplies zero pages as they
     are first touched, so a pool is allocated in microseconds and holds memory only for the blocks in use.
-    torch.zeros writes every page: the default 512 MiB pool took ~125 ms (every GRPO rollout after the
-    swap allocates it again) and counted 512 MiB of RSS however little of it a run used. The tensor keeps
+    torch.zeros writes every page: the default 512 MiB pool took a noticeable pause (every GRPO rollout after
+    the swap allocates it again) and counted 512 MiB of RSS however little of it a run used. The tensor keeps
     the map alive; the pages go back to the system with it."""
     count = math.prod(shape)
     if torch.device(device).type != "cpu" or count == 0 or not hasattr(mmap, "MAP_PRIVATE"):  # (Windows)
@@ -246,7 +245,7 @@ class PagedLatentCache:
             if md.dense is not None:
                 latents = self._dense(md, nd, c_kv[0, :nd], k_pe[0, :nd])  # (Nd, Sd, r + dr)
                 ctx_c_kv, ctx_k_pe = latents[..., :r], latents[..., r:]
-                # rows of one length read no padding: no mask (the fused attention skips it, ~10% of its time)
+                # rows of one length read no padding: no mask (the fused attention's masking is not free)
                 mask = None if md.dense.uniform else mask_width(md.decode_mask, latents.shape[1])
             else:
                 tables = md.decode_block_tables
@@ -346,7 +345,7 @@ class PagedLatentCache:
 
     def _gather(self, pool: torch.Tensor, blocks: torch.Tensor, name: str) -> torch.Tensor:
         """Whole blocks of a (P, L, ·) pool → (len(blocks), L·(·)). index_select copies rows with memcpy;
-        advanced indexing (pool[blocks]) measured ~4x slower on CPU."""
+        advanced indexing (pool[blocks]) measured several times slower on CPU."""
         rows = pool.view(pool.shape[0], -1)
         out = self.scratch.take(name, len(blocks) * rows.shape[1], pool.dtype, pool.device)
         return torch.index_select(rows, 0, blocks, out=out.view(len(blocks), rows.shape[1]))

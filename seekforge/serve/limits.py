@@ -270,6 +270,6 @@ def serve(app, limits: ServerLimits, host: str, port: int, log_level: str) -> No
     server.handle_exit = drain_then_exit
     server.run()
     # The interpreter's final garbage collection walks every object the engine made (tens of
-    # thousands of KV block records): measured 13 s after a SIGTERM on a loaded 2-core machine, past
+    # thousands of KV block records): on a loaded 2-core machine it ran for seconds after a SIGTERM, past
     # any grace period. Nothing left needs a finalizer run by the collector, so skip that pass.
     gc.freeze()

@@ -141,8 +141,8 @@ class Runner:
                 log.info("weights on 2 MiB pages: %.0f of %.0f MiB (%.1f s)", done / 2**20, tried / 2**20,
                          time.perf_counter() - start)
         # the main layers' dense decode rows (kv_cache.py), in the attention dtype, in at most as many
-        # bytes as their pools. CPU only: that is where the per-step gather was measured to cost (1.2-1.3x
-        # at 64 requests); on a GPU kv_cache_memory is sized to the device, and a second copy of the
+        # bytes as their pools. CPU only: that is where the per-step gather was measured to cost (visibly at
+        # serve_throughput.py's 64 requests); on a GPU kv_cache_memory is sized to the device, and a second copy of the
         # latents would not fit beside it (budget 0: every step gathers)
         pool_dtype = torch.int8 if config.kv_cache_dtype == "int8" else weight.dtype
         per_token = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * weight.element_size() * cfg.num_hidden_layers
@@ -158,7 +158,7 @@ class Runner:
         self.mtp_caches = [pool() for _ in model.mtp] if config.speculative_tokens else []
         self.lora: LoRAManager | None = LoRAManager(model) if config.enable_lora else None
         # A one-token step of a bf16 model on a CPU runs its linear layers on torch's own bf16 kernels
-        # (precision.onednn: batch-1 decode 14 vs 16.5 ms/token, hidden 1024 on an AMX CPU); attention
+        # (precision.onednn: less fixed cost a call, so faster batch-1 decode, measured on an AMX CPU); attention
         # over the cache stays on oneDNN (kv_cache.py). Quantized (integer) weights keep their own kernels;
         # an fp32 router runs on MKL either way.
         self.one_row_native = self.device.type == "cpu" and weight.dtype == torch.bfloat16 and all(

@@ -65,8 +65,8 @@ class MasterWeights:
             if any(c.dtype != dtype or c.shape != p.shape for c, p in pairs):
                 raise ValueError(f"the replica's matmul parameters are not {dtype} copies of the model's")
         # The fp32 main gradients, allocated on first use and kept: a step's first pass copies into them
-        # rather than into fresh tensors (a 16 MB expert gradient cast into new memory took 5-6 ms, its
-        # pages faulted in, against 0.4 ms into memory already mapped). Between steps they hold the
+        # rather than into fresh tensors (a cast into new memory faults its pages in, an order of magnitude
+        # slower than into memory already mapped: git log -p BENCHMARKS.md, Train step). Between steps they hold the
         # last step's values; the optimizer's zero_grad(set_to_none=True) only drops `p.grad`.
         self.main_grads: list[torch.Tensor | None] = [None] * len(self.params)
 

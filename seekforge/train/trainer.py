@@ -112,7 +112,7 @@ class Trainer:
         self.master_weights = (MasterWeights(model) if self.compute_dtype == torch.bfloat16 and self.runner is None
                                and can_use_master_weights(model) else None)
         # The peak of the dtype the matmuls really run in: a bf16 probe on a CPU without native bf16
-        # measures ~1% of what fp32 training reaches (and an MFU of hundreds of percent).
+        # measures a small fraction of what fp32 training reaches (the MFU would read hundreds of percent).
         self.peak_flops = cfg.peak_flops or measure_peak_flops(self.compute_dtype, self.device)
         self._iterator = iter(loader)
         self.probe = TrainingProbe.open(cfg.probe, self.modules, self.optimizers, self.out_dir)
