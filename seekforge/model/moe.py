@@ -510,10 +510,13 @@ class MoE(nn.Module):
 
     def _plain_inference(self, x: torch.Tensor) -> bool:
         """No autograd, single device, the experts unquantized and in x's dtype (quant/ and parallel/ swap
-        experts and dispatcher)."""
+        experts and dispatcher), and not hooked: the direct paths call GroupedExperts' methods, not the module,
+        so its forward hooks would never see a token (quant/calibrate.py gathers each expert's inputs with one,
+        probe/dump.py records modules' calls with them); a hooked layer dispatches as training does."""
         return (not self.training and not torch.is_grad_enabled()
                 and type(self.experts) is GroupedExperts and type(self.dispatcher) is LocalDispatcher
-                and self.experts.gate_up_proj.dtype == x.dtype and not torch.is_autocast_enabled(x.device.type))
+                and self.experts.gate_up_proj.dtype == x.dtype and not torch.is_autocast_enabled(x.device.type)
+                and not (self.experts._forward_pre_hooks or self.experts._forward_hooks))
 
 
 class _AttachAuxLoss(torch.autograd.Function):

@@ -154,6 +154,7 @@ def collect_stats(block, prefix, plan, inputs, with_hessian: bool) -> dict[str, 
             handles.append(module.register_forward_pre_hook(
                 lambda m, args, s=stats[hf]: s.add(args[0].detach(), with_hessian)))
         elif isinstance(module, GroupedExperts) and f"{hf}.0.gate_proj" in plan:
+            # hooked, the MoE layer dispatches every batch through the module (MoE._plain_inference)
             handles.append(module.register_forward_pre_hook(
                 lambda m, args, hf=hf: expert_stats(m, args[0], args[1], hf, stats, with_hessian)))
     try:

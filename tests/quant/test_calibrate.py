@@ -129,3 +129,28 @@ def test_absorbed_mla_equals_naive_with_quantized_kv_b_proj(tiny, samples, schem
         naive = attn.attend_naive(q_nope, q_pe, c_kv, k_pe, mask=mask)
         absorbed = attn.attend_absorbed(q_nope, q_pe, c_kv, k_pe, mask=mask)
     torch.testing.assert_close(absorbed, naive, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kwargs", [dict(scheme="w4a16", group_size=32, method="gptq"), dict(scheme="w8a8-static")],
+                         ids=["gptq", "w8a8-static"])
+def test_every_routed_token_reaches_its_experts_statistics(samples, dtype, kwargs):
+    """Calibration runs without autograd, where a MoE layer's inference paths (a one-token batch; the padded
+    batch of every expert's rows, which bf16 takes at these sizes) skip the experts module, and with it the
+    hook that gathers each expert's inputs: every token's top-k copies must reach their experts' statistics
+    (GPTQ's Hessians, static input scales), so no routed expert falls back to RTN (issue 41, bug 9)."""
+    model = build_model(preset("tiny"), seed=0, dtype=dtype).eval()
+    calibration = samples[:4] + [samples[4][:1]]  # 4 × 48 tokens and one of 1
+    original = {n: m.gate_up_proj.detach().clone() for n, m in model.named_modules() if hasattr(m, "gate_up_proj")}
+    recipe = Recipe(**kwargs)
+    report = quantize_model(model, recipe, calibration, progress=False)
+    moe_layers = [i for i, layer in enumerate(model.layers) if isinstance(getattr(layer.mlp, "experts", None),
+                                                                            QuantExperts)]
+    assert moe_layers and not report.rtn_fallback
+    tokens = sum(s.numel() for s in calibration)
+    assert sum(report.expert_rows) == tokens * model.cfg.num_experts_per_tok * len(moe_layers)
+    if recipe.method == "gptq":  # every expert rounded by its own Hessian, none by RTN
+        for i in moe_layers:
+            for e, unit in enumerate(model.layers[i].mlp.experts.gate_up):
+                q_rtn, _, _ = rtn(original[f"layers.{i}.mlp.experts"][e], recipe.quant_scheme.weights)
+                assert not torch.equal(unit.qweight, q_rtn)
