@@ -406,6 +406,16 @@ class ParallelConfig:
                 raise ValueError(f"DualPipeV needs microbatches >= num_stages={self.num_stages} (two stages per "
                                  f"pp rank); got {self.microbatches}: use microbatches >= {self.num_stages}")
 
+    @classmethod
+    def from_table(cls, table: dict[str, Any]) -> ParallelConfig:
+        """A `parallel` table (--parallel, a config file's `parallel:`) as a ParallelConfig; an unknown key
+        is a ValueError listing the valid ones, not a TypeError."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(table) - names)
+        if unknown:
+            raise ValueError(f"parallel has unknown key(s) {unknown}; valid ParallelConfig keys: {sorted(names)}")
+        return cls(**table)
+
     @property
     def world_size(self) -> int:
         return self.pp * self.dp_replicate * self.dp_shard * self.tp
@@ -584,11 +594,7 @@ class TrainConfig:
 
     def parallel_config(self) -> ParallelConfig:
         """The `parallel` table as a ParallelConfig; recompute and compile default to this config's."""
-        names = {f.name for f in dataclasses.fields(ParallelConfig)}
-        unknown = sorted(set(self.parallel) - names)
-        if unknown:
-            raise ValueError(f"parallel has unknown key(s) {unknown}; valid ParallelConfig keys: {sorted(names)}")
-        return ParallelConfig(**{"recompute": self.recompute, "compile": self.compile, **self.parallel})
+        return ParallelConfig.from_table({"recompute": self.recompute, "compile": self.compile, **self.parallel})
 
 
 CONFIG_HELP = ("a config.json or a checkpoint directory holding one, a training run directory, or a pretrain config "
