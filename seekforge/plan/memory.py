@@ -98,7 +98,8 @@ def estimate_memory(cfg: ModelConfig, pc: ParallelConfig, micro_batch_size: int,
     mode_of = {u.layer_id: m for u, m in zip(blocks, modes, strict=True)}
     microbatches = pc.microbatches if pc.pp > 1 else 1
     if micro_batch_size % microbatches:
-        raise ValueError(f"micro_batch_size={micro_batch_size} is not divisible by microbatches={microbatches}")
+        raise ValueError(f"micro_batch_size={micro_batch_size} (per data-parallel rank) is not divisible by "
+                         f"microbatches={microbatches}; make it a multiple of {microbatches}")
     bf16 = dtype == "bf16" or pc.mixed_precision == "bf16"
     shape = UnitBytes(cfg, pc, micro_batch_size // microbatches, seq_len, 2 if bf16 else 4, moe_skew,
                       flash_attention)
