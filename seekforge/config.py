@@ -397,6 +397,24 @@ class ParallelConfig:
         if self.dp_shard % self.ep:
             raise ValueError(f"ep={self.ep} does not divide dp_shard={self.dp_shard}: experts are split over "
                              f"data-parallel ranks; pick ep in {_divisors(self.dp_shard)} or raise dp_shard")
+        # Checked here, not in validate: they need no model, so `plan schedule` applies them too.
+        if self.pp > 1:
+            if self.microbatches < self.pp:
+                raise ValueError(f"microbatches={self.microbatches} < pp={self.pp} leaves stages idle; "
+                                 f"use microbatches >= {self.pp}")
+            if self.pp_schedule == "DualPipeV" and self.microbatches < self.num_stages:
+                raise ValueError(f"DualPipeV needs microbatches >= num_stages={self.num_stages} (two stages per "
+                                 f"pp rank); got {self.microbatches}: use microbatches >= {self.num_stages}")
+
+    @classmethod
+    def from_table(cls, table: dict[str, Any]) -> ParallelConfig:
+        """A `parallel` table (--parallel, a config file's `parallel:`) as a ParallelConfig; an unknown key
+        is a ValueError listing the valid ones, not a TypeError."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(table) - names)
+        if unknown:
+            raise ValueError(f"parallel has unknown key(s) {unknown}; valid ParallelConfig keys: {sorted(names)}")
+        return cls(**table)
 
     @property
     def world_size(self) -> int:
@@ -433,12 +451,6 @@ class ParallelConfig:
                 raise ValueError(f"pp={self.pp} with {self.pp_schedule} needs {self.num_stages} stages but the "
                                  f"model has num_hidden_layers={model.num_hidden_layers}; every stage needs a "
                                  f"layer: lower pp or use a single-stage schedule such as 1F1B")
-            if self.microbatches < self.pp:
-                raise ValueError(f"microbatches={self.microbatches} < pp={self.pp} leaves stages idle; "
-                                 f"use microbatches >= {self.pp}")
-            if self.pp_schedule == "DualPipeV" and self.microbatches < self.num_stages:
-                raise ValueError(f"DualPipeV needs microbatches >= num_stages={self.num_stages}; "
-                                 f"got {self.microbatches}")
             points = self.pp_split_points
             if points is not None and (len(points) != self.num_stages - 1 or list(points) != sorted(set(points))
                                        or points[0] < 1 or points[-1] >= model.num_hidden_layers):
@@ -582,11 +594,7 @@ class TrainConfig:
 
     def parallel_config(self) -> ParallelConfig:
         """The `parallel` table as a ParallelConfig; recompute and compile default to this config's."""
-        names = {f.name for f in dataclasses.fields(ParallelConfig)}
-        unknown = sorted(set(self.parallel) - names)
-        if unknown:
-            raise ValueError(f"parallel has unknown key(s) {unknown}; valid ParallelConfig keys: {sorted(names)}")
-        return ParallelConfig(**{"recompute": self.recompute, "compile": self.compile, **self.parallel})
+        return ParallelConfig.from_table({"recompute": self.recompute, "compile": self.compile, **self.parallel})
 
 
 CONFIG_HELP = ("a config.json or a checkpoint directory holding one, a training run directory, or a pretrain config "

@@ -69,6 +69,8 @@ class Balance:
         recompute = modes.pop() if len(modes) == 1 else "[" + ",".join(self.layer_modes(cfg)) + "]"
         parts = [f"pp={pc.pp}", f"pp_schedule={pc.pp_schedule}", f"microbatches={pc.microbatches}",
                  "pp_split_points=[" + ",".join(map(str, self.split_points)) + "]", f"recompute={recompute}"]
+        if pc.mixed_precision != "fp32":  # the precision the stage memory was counted in
+            parts.append(f"mixed_precision={pc.mixed_precision}")
         for key in ("dp_replicate", "dp_shard", "tp", "ep"):
             if getattr(pc, key) > 1:
                 parts.insert(0, f"{key}={getattr(pc, key)}")

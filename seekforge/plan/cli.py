@@ -11,9 +11,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import math
 
 from seekforge.config import (
     CONFIG_HELP,
+    PIPELINE_SCHEDULES,
     PRESETS,
     ModelConfig,
     ParallelConfig,
@@ -36,7 +38,8 @@ def add_arguments(p):
     memory.add_argument("--micro-batch-size", type=int, default=1,
                         help="sequences per data-parallel rank per step (pretrain's --micro-batch-size is the global "
                              "batch: divide it by dp_replicate·dp_shard)")
-    memory.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    memory.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
+                        help="compute: bf16 autocast over fp32 master weights (pretrain's bf16), or fp32")
     memory.add_argument("--optimizer-dtype", choices=("fp32", "bf16"), default="fp32", help="AdamW moments")
     memory.add_argument("--moe-skew", type=float, default=1.0,
                         help="busiest expert-parallel rank's routed tokens over the mean")
@@ -49,7 +52,8 @@ def add_arguments(p):
     schedule.add_argument("--schedule", default="1F1B", help="GPipe, 1F1B, Interleaved1F1B, ZB-H1, "
                           "InterleavedZeroBubble, ZBVZeroBubble, DualPipeV")
     schedule.add_argument("--pp", type=int, default=4, help="pipeline ranks")
-    schedule.add_argument("--microbatches", type=int, default=8)
+    schedule.add_argument("--microbatches", type=int, default=8,
+                          help="micro-batches per step: at least --pp (DualPipeV: 2 x pp), as pretrain wants")
     schedule.add_argument("--forward", type=float, default=1.0, help="F time per stage")
     schedule.add_argument("--backward-input", type=float, default=1.0, help="B (input gradient) time per stage")
     schedule.add_argument("--backward-weight", type=float, default=1.0, help="W (weight gradient) time per stage")
@@ -57,30 +61,35 @@ def add_arguments(p):
     schedule.add_argument("--fandb", type=float, help="DualPipeV: time of one overlapped F&B unit (a forward "
                           "and a full backward, DeepSeek's F&B); default F + B, the two run one after the other "
                           "as torch runs them")
-    schedule.add_argument("--p2p-latency", type=float, default=0.0)
+    schedule.add_argument("--p2p-latency", type=float, default=0.0,
+                          help="time of one send between pipeline ranks, in the unit of --forward")
     schedule.add_argument("--png", help="write the timeline picture here")
 
     balance = sub.add_parser("balance", help="layers and recompute per pipeline stage (SAPP-style)")
     _model_args(balance)
-    balance.add_argument("--pp", type=int, required=True)
-    balance.add_argument("--schedule", default="1F1B")
-    balance.add_argument("--microbatches", type=int, default=0, help="default: 2 x pp")
+    balance.add_argument("--pp", type=int, required=True, help="pipeline ranks")
+    balance.add_argument("--schedule", default="1F1B", help="pipeline schedule (ParallelConfig.pp_schedule): "
+                         + ", ".join(PIPELINE_SCHEDULES))
+    balance.add_argument("--microbatches", type=int, help="pipeline micro-batches per step; none given: 2 x pp")
     balance.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-batch")
     balance.add_argument("--parallel", default="", metavar="KEY=VALUE,...",
                          help="the other dimensions (dp_shard, ep, tp)")
-    balance.add_argument("--device-memory", default="80GB")
+    balance.add_argument("--device-memory", default="80GB", help="memory per device, e.g. 80GB or 141GiB")
     balance.add_argument("--flops", type=float, default=400e12, help="achievable FLOP/s per device")
 
     search = sub.add_parser("search", help="rank parallel layouts for a cluster")
     _model_args(search)
-    search.add_argument("--devices", type=int, required=True)
-    search.add_argument("--device-memory", default="80GB")
-    search.add_argument("--devices-per-node", type=int, default=8)
+    search.add_argument("--devices", type=int, required=True, help="devices in the cluster (the world size)")
+    search.add_argument("--device-memory", default="80GB", help="memory per device, e.g. 80GB or 141GiB")
+    search.add_argument("--devices-per-node", type=int, default=8,
+                        help="devices sharing a node's fast links (tp stays within a node)")
     search.add_argument("--flops", type=float, default=400e12, help="achievable FLOP/s per device")
-    search.add_argument("--intra-node-bandwidth", type=float, default=150e9, help="bytes/s")
-    search.add_argument("--inter-node-bandwidth", type=float, default=50e9, help="bytes/s")
+    search.add_argument("--intra-node-bandwidth", type=float, default=150e9,
+                        help="bytes/s per device within a node (NVLink)")
+    search.add_argument("--inter-node-bandwidth", type=float, default=50e9,
+                        help="bytes/s per device between nodes (InfiniBand)")
     search.add_argument("--global-batch", type=int, default=1024, help="sequences per step")
-    search.add_argument("--top", type=int, default=10)
+    search.add_argument("--top", type=int, default=10, help="how many of the fastest layouts to print")
 
 
 def _model_args(p):
@@ -94,18 +103,46 @@ def _model(args) -> ModelConfig:
     return model_config_of(args.config) if args.config else preset(args.preset)
 
 
-def _parallel(spec: str, **overrides) -> ParallelConfig:
-    return ParallelConfig(**{**parse_parallel(spec), **overrides}) if spec else ParallelConfig(**overrides)
+def _layout(spec: str, cfg: ModelConfig, **overrides) -> ParallelConfig:
+    """The --parallel layout (overrides win), checked as pretrain checks it (ParallelConfig.validate): what
+    plan accepts, pretrain runs."""
+    pc = ParallelConfig.from_table({**(parse_parallel(spec) if spec else {}), **overrides})
+    pc.validate(pc.world_size, cfg)
+    return pc
+
+
+# (flags, the test a value must pass, the fix): counts are at least 1, as TrainConfig and ParallelConfig want
+# theirs; a FLOP rate or bandwidth divides a time, so it is above 0.
+_BOUNDS = (
+    (("pp", "microbatches", "micro_batch_size", "seq_len", "devices", "devices_per_node", "global_batch", "top"),
+     lambda v: v >= 1, "give at least 1"),
+    (("moe_skew",), lambda v: math.isfinite(v) and v >= 1,
+     "give at least 1 (the busiest expert-parallel rank's routed tokens over the mean)"),
+    (("flops", "intra_node_bandwidth", "inter_node_bandwidth"), lambda v: math.isfinite(v) and v > 0,
+     "give a rate > 0"),
+    (("forward", "backward_input", "backward_weight", "recompute", "p2p_latency"),
+     lambda v: math.isfinite(v) and v >= 0, "give a time >= 0"),
+)
+
+
+def _check_numbers(args) -> None:
+    given = vars(args)
+    for keys, ok, fix in _BOUNDS:
+        for key in keys:
+            if given.get(key) is not None and not ok(given[key]):
+                raise ValueError(f"--{key.replace('_', '-')} {given[key]}: {fix}")
 
 
 def run(args):
+    _check_numbers(args)
     {"memory": _memory, "schedule": _schedule, "balance": _balance, "search": _search}[args.what](args)
 
 
 def _memory(args):
     from seekforge.plan.memory import estimate_memory, format_plan
 
-    cfg, pc = _model(args), _parallel(args.parallel)
+    cfg = _model(args)
+    pc = _layout(args.parallel, cfg)
     plan = estimate_memory(cfg, pc, args.micro_batch_size, args.seq_len, args.dtype,
                            4 if args.optimizer_dtype == "fp32" else 2, args.moe_skew,
                            flash_attention=args.flash_attention)
@@ -123,6 +160,11 @@ def _memory(args):
 def _schedule(args):
     from seekforge.plan import schedule as sched
 
+    if args.schedule in sched.SIMULATED_SCHEDULES:  # an unknown one: simulate names the known
+        # pretrain's own checks of pp and microbatches (ParallelConfig); ZB-H1, simulated but not run, keeps
+        # one stage per rank as 1F1B does and takes 1F1B's checks
+        ParallelConfig(pp=args.pp, microbatches=args.microbatches,
+                       pp_schedule="1F1B" if args.schedule == "ZB-H1" else args.schedule)
     costs = sched.uniform_costs(args.schedule, args.pp, args.forward, args.backward_input, args.backward_weight,
                                 args.recompute)
     overlap = 0.0
@@ -156,8 +198,8 @@ def _balance(args):
 
     cfg = _model(args)
     microbatches = args.microbatches or 2 * args.pp
-    pc = _parallel(args.parallel, pp=args.pp, pp_schedule=args.schedule, microbatches=microbatches,
-                   mixed_precision="bf16")
+    pc = _layout(args.parallel, cfg, pp=args.pp, pp_schedule=args.schedule, microbatches=microbatches,
+                 mixed_precision="bf16")
     limit = parse_bytes(args.device_memory) / pc.stages_per_rank
     costs = analytic_costs(cfg, pc, args.micro_batch_size, args.seq_len, args.flops)
     inflight = inflight_per_stage(pc)
@@ -185,7 +227,10 @@ def _balance(args):
     layout = dataclasses.replace(pc, pp_split_points=best.split_points, recompute=best.layer_modes(cfg))
     check = estimate_memory(cfg, layout, args.micro_batch_size * microbatches, args.seq_len, flash_attention=True)
     print(f"dry run of this layout (plan memory): peak {check.peak / GiB:.1f} GiB per rank")
-    print(f"--parallel {best.parallel_arg(cfg, pc)}")
+    # pretrain's --micro-batch-size is the global batch: per data-parallel rank, `microbatches` of these
+    global_batch = args.micro_batch_size * microbatches * pc.dp_replicate * pc.dp_shard
+    print(f"pretrain flags: --seq-len {args.seq_len} --micro-batch-size {global_batch} "
+          f"--parallel {best.parallel_arg(cfg, pc)}")
 
 
 def _search(args):

@@ -98,7 +98,8 @@ def estimate_memory(cfg: ModelConfig, pc: ParallelConfig, micro_batch_size: int,
     mode_of = {u.layer_id: m for u, m in zip(blocks, modes, strict=True)}
     microbatches = pc.microbatches if pc.pp > 1 else 1
     if micro_batch_size % microbatches:
-        raise ValueError(f"micro_batch_size={micro_batch_size} is not divisible by microbatches={microbatches}")
+        raise ValueError(f"micro_batch_size={micro_batch_size} (per data-parallel rank) is not divisible by "
+                         f"microbatches={microbatches}; make it a multiple of {microbatches}")
     bf16 = dtype == "bf16" or pc.mixed_precision == "bf16"
     shape = UnitBytes(cfg, pc, micro_batch_size // microbatches, seq_len, 2 if bf16 else 4, moe_skew,
                       flash_attention)
@@ -110,40 +111,46 @@ def estimate_memory(cfg: ModelConfig, pc: ParallelConfig, micro_batch_size: int,
     acts_per_stage = [sum(m.activations + (m.copies if pc.pp > 1 else 0.0) for m in s) for s in per_stage]
     inflight = _inflight_bytes(pc, acts_per_stage, shape)
 
-    ranks = []
-    for rank, stage_ids in enumerate(ranks_of):
-        mems = [m for s in stage_ids for m in per_stage[s]]
-        params = sum(m.params for m in mems)
-        grads = params  # fp32 gradients of this rank's (sharded) parameters
-        optimizer = params / 4 * 2 * optimizer_bytes
-        state = params + optimizer
-        copies = sum(m.copies for m in mems)
-        fsdp_gather = shape.fsdp_gather(mems)
-        if pc.pp > 1:
-            # The other in-flight micro-batches stay while one is backwarded through one of this
-            # rank's stages (the heaviest): the sweep runs over that stage's units on top of the rest.
-            # From the second micro-batch on every gradient exists (each new one is summed into it).
-            swept = max((per_stage[s] for s in stage_ids), key=lambda ms: sum(m.activations + m.copies for m in ms))
-            one_mb = sum(m.activations + m.copies for m in swept)
-            base = state + grads + max(inflight[rank] - one_mb, 0.0)
-            activations = max(inflight[rank], one_mb)
-        else:
-            swept, base, activations = mems, state, sum(m.activations for m in mems)
-        accumulating = pc.pp > 1 and microbatches > 1
-        end_of_forward = base + sum(m.activations + m.copies for m in swept)
-        peak, phase, live = end_of_forward, "end of forward", end_of_forward
-        for m in reversed(swept):  # the backward sweep, last unit first
-            during = live + m.workspace + fsdp_gather + m.params  # + this unit's new gradients
-            if during > peak:
-                peak, phase = during, f"backward of {m.unit.kind} {m.unit.layer_id}"
-            live += (0.0 if accumulating else m.params) - m.activations - m.copies
-        step = state + grads  # fused AdamW updates in place
-        if step > peak:
-            peak, phase = step, "optimizer step"
-        name = f"pp rank {rank} (stages {', '.join(map(str, stage_ids))})" if pc.pp > 1 else "every rank"
-        ranks.append(RankMemory(name, params, grads, optimizer, activations, copies,
-                                max(m.workspace for m in mems), peak, phase))
+    ranks = [_rank_memory(pc, rank, stage_ids, per_stage, inflight[rank], shape, optimizer_bytes)
+             for rank, stage_ids in enumerate(ranks_of)]
     return MemoryPlan(ranks, pc.world_size)
+
+
+def _rank_memory(pc: ParallelConfig, rank: int, stage_ids: list[int], per_stage: list[list[UnitMemory]],
+                 inflight: float, shape: UnitBytes, optimizer_bytes: int) -> RankMemory:
+    """One pipeline rank's bytes: its state, then the peak over the end of forward, the backward sweep
+    and the optimizer step."""
+    mems = [m for s in stage_ids for m in per_stage[s]]
+    params = sum(m.params for m in mems)
+    grads = params  # fp32 gradients of this rank's (sharded) parameters
+    optimizer = params / 4 * 2 * optimizer_bytes
+    state = params + optimizer
+    copies = sum(m.copies for m in mems)
+    fsdp_gather = shape.fsdp_gather(mems)
+    if pc.pp > 1:
+        # The other in-flight micro-batches stay while one is backwarded through one of this
+        # rank's stages (the heaviest): the sweep runs over that stage's units on top of the rest.
+        # From the second micro-batch on every gradient exists (each new one is summed into it).
+        swept = max((per_stage[s] for s in stage_ids), key=lambda ms: sum(m.activations + m.copies for m in ms))
+        one_mb = sum(m.activations + m.copies for m in swept)
+        base = state + grads + max(inflight - one_mb, 0.0)
+        activations = max(inflight, one_mb)
+    else:
+        swept, base, activations = mems, state, sum(m.activations for m in mems)
+    accumulating = pc.pp > 1 and pc.microbatches > 1
+    end_of_forward = base + sum(m.activations + m.copies for m in swept)
+    peak, phase, live = end_of_forward, "end of forward", end_of_forward
+    for m in reversed(swept):  # the backward sweep, last unit first
+        during = live + m.workspace + fsdp_gather + m.params  # + this unit's new gradients
+        if during > peak:
+            peak, phase = during, f"backward of {m.unit.kind} {m.unit.layer_id}"
+        live += (0.0 if accumulating else m.params) - m.activations - m.copies
+    step = state + grads  # fused AdamW updates in place
+    if step > peak:
+        peak, phase = step, "optimizer step"
+    name = f"pp rank {rank} (stages {', '.join(map(str, stage_ids))})" if pc.pp > 1 else "every rank"
+    return RankMemory(name, params, grads, optimizer, activations, copies, max(m.workspace for m in mems), peak,
+                      phase)
 
 
 # ------------------------------------------------------------------------------------------ stages

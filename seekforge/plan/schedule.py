@@ -168,39 +168,30 @@ def simulate(schedule: str, costs: list[StageCost], microbatches: int, p2p_laten
         raise ValueError(f"{schedule} puts {local} stages on each rank; got {len(costs)} stage costs")
     if overlap and schedule != "DualPipeV":
         raise ValueError(f"overlap applies to DualPipeV's overlapped F&B units; {schedule} has none: drop it")
-    pp = len(costs) // local
-    units = pipeline_actions(schedule, pp, microbatches)
-    stage_to_rank = [0] * len(costs)
+    units = pipeline_actions(schedule, len(costs) // local, microbatches)
+    stage_to_rank = _stage_to_rank(units, len(costs))
+    events, free_at = _run(schedule, units, costs, stage_to_rank, p2p_latency, overlap)
+    bubble, work = _bubble(events, len(units))
+    result = SimResult(schedule, max(free_at), bubble, bubble / work if work else 0.0, [], stage_to_rank, events)
+    result.peak_inflight = _peak_inflight(result, len(costs))
+    return result
+
+
+def _stage_to_rank(units: dict[int, list[tuple[Action, ...]]], num_stages: int) -> list[int]:
+    stage_to_rank = [0] * num_stages
     for rank, rank_units in units.items():
         for unit in rank_units:
             for a in unit:
                 stage_to_rank[a.stage] = rank
-    last = len(costs) - 1
+    return stage_to_rank
 
-    def duration(a: Action) -> float:
-        c = costs[a.stage]
-        return {_F: c.forward, _I: c.recompute + c.backward_input, _W: c.backward_weight,
-                _B: c.recompute + c.backward_input + c.backward_weight}[a.kind]
 
-    def ready_time(a: Action, done: dict) -> float | None:
-        """When a's input exists (None: not yet produced)."""
-        if a.kind == _F:
-            dep = (a.stage - 1, _F) if a.stage else None
-        elif a.kind == _W:
-            dep = (a.stage, _I)
-        else:
-            dep = (a.stage, _F) if a.stage == last else (a.stage + 1, "IB")
-        if dep is None:
-            return 0.0
-        stage, kind = dep
-        keys = [(stage, k, a.microbatch) for k in (("I", "B") if kind == "IB" else (kind,))]
-        finished = [done[k] for k in keys if k in done]
-        if not finished:
-            return None
-        hop = p2p_latency if stage_to_rank[stage] != stage_to_rank[a.stage] else 0.0
-        return finished[0] + hop
-
-    done: dict[tuple[int, str, int], float] = {}
+def _run(schedule: str, units: dict[int, list[tuple[Action, ...]]], costs: list[StageCost],
+         stage_to_rank: list[int], p2p_latency: float, overlap: float) -> tuple[list[Event], list[float]]:
+    """Every unit's events, each unit started in its rank's order as soon as the rank is free and the
+    unit's inputs exist; and the time each rank ends."""
+    pp = len(units)
+    done: dict[tuple[int, str, int], float] = {}  # (stage, kind, micro-batch) → when its output exists
     cursor, free_at = [0] * pp, [0.0] * pp
     events: list[Event] = []
     remaining = sum(len(u) for u in units.values())
@@ -209,39 +200,78 @@ def simulate(schedule: str, costs: list[StageCost], microbatches: int, p2p_laten
         for rank in range(pp):
             while cursor[rank] < len(units[rank]):
                 unit = units[rank][cursor[rank]]
-                inputs = [ready_time(a, done) for a in unit]
+                inputs = [_ready_time(a, done, stage_to_rank, p2p_latency) for a in unit]
                 if None in inputs:
                     break
-                start = max([free_at[rank], *inputs])
-                serial = [duration(a) for a in unit]
-                if len(unit) == 2 and not 0.0 <= overlap <= min(serial):
-                    raise ValueError(f"overlap {overlap} must lie in [0, {min(serial)}] (F&B is at least the "
-                                     f"longer of its forward {serial[0]} and backward {serial[1]})")
-                scale = (sum(serial) - overlap) / sum(serial) if len(unit) == 2 else 1.0
-                t = start
-                for a, d in zip(unit, serial, strict=True):  # a pair: each half drawn over its share of the unit's time
-                    events.append(Event(rank, a, t, t + d * scale, overlapped=len(unit) == 2))
-                    t += d * scale
+                timed = _time_unit(rank, unit, max([free_at[rank], *inputs]), costs, overlap)
+                events += timed
                 for a in unit:  # a pair's outputs leave together, after the unit
-                    done[(a.stage, a.kind, a.microbatch)] = t
-                free_at[rank], cursor[rank] = t, cursor[rank] + 1
+                    done[(a.stage, a.kind, a.microbatch)] = timed[-1].end
+                free_at[rank], cursor[rank] = timed[-1].end, cursor[rank] + 1
                 remaining -= 1
                 progressed = True
         assert progressed, f"{schedule}: action order deadlocks at {[units[r][cursor[r]] for r in range(pp)]}"
+    return events, free_at
 
+
+def _ready_time(a: Action, done: dict, stage_to_rank: list[int], p2p_latency: float) -> float | None:
+    """When a's input exists (None: not yet produced): the previous stage's F for an F, the same
+    stage's I for a W, the next stage's I or B (the last stage: its own F) for an I or B."""
+    if a.kind == _F:
+        if not a.stage:
+            return 0.0
+        stage, kinds = a.stage - 1, (_F,)
+    elif a.kind == _W:
+        stage, kinds = a.stage, (_I,)
+    elif a.stage == len(stage_to_rank) - 1:
+        stage, kinds = a.stage, (_F,)
+    else:
+        stage, kinds = a.stage + 1, (_I, _B)
+    finished = [done[key] for key in ((stage, kind, a.microbatch) for kind in kinds) if key in done]
+    if not finished:
+        return None
+    hop = p2p_latency if stage_to_rank[stage] != stage_to_rank[a.stage] else 0.0
+    return finished[0] + hop
+
+
+def _duration(a: Action, costs: list[StageCost]) -> float:
+    c = costs[a.stage]
+    return {_F: c.forward, _I: c.recompute + c.backward_input, _W: c.backward_weight,
+            _B: c.recompute + c.backward_input + c.backward_weight}[a.kind]
+
+
+def _time_unit(rank: int, unit: tuple[Action, ...], start: float, costs: list[StageCost],
+               overlap: float) -> list[Event]:
+    """The events of one unit from `start`: one action, or an F&B pair lasting F + B - overlap, each
+    half drawn over its share of the pair's time."""
+    serial = [_duration(a, costs) for a in unit]
+    if len(unit) == 2 and not 0.0 <= overlap <= min(serial):
+        raise ValueError(f"overlap {overlap} must lie in [0, {min(serial)}] (F&B is at least the "
+                         f"longer of its forward {serial[0]} and backward {serial[1]})")
+    scale = (sum(serial) - overlap) / sum(serial) if len(unit) == 2 else 1.0
+    events, t = [], start
+    for a, d in zip(unit, serial, strict=True):
+        events.append(Event(rank, a, t, t + d * scale, overlapped=len(unit) == 2))
+        t += d * scale
+    return events
+
+
+def _bubble(events: list[Event], pp: int) -> tuple[float, float]:
+    """(idle time per step of the most idle rank, that rank's compute time); see simulate."""
     busy, first, end = [0.0] * pp, [float("inf")] * pp, [0.0] * pp
     for e in events:
         busy[e.rank] += e.end - e.start
         first[e.rank], end[e.rank] = min(first[e.rank], e.start), max(end[e.rank], e.end)
     period = max(end[r] - first[r] for r in range(pp))
-    bubble, work = max((period - busy[r], busy[r]) for r in range(pp))
-    result = SimResult(schedule, max(free_at), bubble, bubble / work if work else 0.0, [], stage_to_rank, events)
-    live = [0] * len(costs)
-    result.peak_inflight = [0] * len(costs)
+    return max((period - busy[r], busy[r]) for r in range(pp))
+
+
+def _peak_inflight(result: SimResult, num_stages: int) -> list[int]:
+    live, peak = [0] * num_stages, [0] * num_stages
     for stage, sign in result._activation_deltas():
         live[stage] += sign
-        result.peak_inflight[stage] = max(result.peak_inflight[stage], live[stage])
-    return result
+        peak[stage] = max(peak[stage], live[stage])
+    return peak
 
 
 def draw_timeline(result: SimResult, path: str) -> None:

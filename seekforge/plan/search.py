@@ -127,12 +127,10 @@ def _divisors(n: int) -> list[int]:
 
 
 def _layouts(cfg: ModelConfig, devices: int, global_batch: int, micro_batch_sizes, devices_per_node: int):
-    """Every ParallelConfig the model and cluster allow: tp inside a node, pp with at least one layer
-    per stage, FSDP over the data-parallel ranks, ep dividing both dp_shard and the experts."""
+    """Every ParallelConfig the model and cluster allow: tp inside a node, FSDP over the data-parallel
+    ranks, ep dividing dp_shard; whatever else pretrain refuses (ParallelConfig's checks: tp dividing the
+    heads and widths, ep the experts, a layer per stage, enough micro-batches) is skipped."""
     for tp in _divisors(min(devices, devices_per_node)):
-        if any(getattr(cfg, k) % tp for k in ("num_attention_heads", "vocab_size", "intermediate_size",
-                                               "moe_intermediate_size")):
-            continue
         for pp in _divisors(devices // tp):
             dp = devices // (tp * pp)
             if global_batch % dp:

@@ -47,3 +47,73 @@ def test_plan_search_impossible_cluster_is_a_clean_error(capsys):
               "--global-batch", "64"])
     assert exit_info.value.code == 2
     assert "no layout of 8 devices fits" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["schedule", "--pp", "0"], "--pp 0: give at least 1"),
+    (["schedule", "--pp", "4", "--microbatches", "2"],
+     "microbatches=2 < pp=4 leaves stages idle; use microbatches >= 4"),
+    (["schedule", "--pp", "4", "--microbatches", "0"], "--microbatches 0: give at least 1"),
+    (["schedule", "--schedule", "ZB-H1", "--pp", "4", "--microbatches", "3"], "microbatches=3 < pp=4"),
+    (["schedule", "--schedule", "DualPipeV", "--pp", "4", "--microbatches", "4"],
+     "DualPipeV needs microbatches >= num_stages=8"),
+    (["schedule", "--forward", "-1"], "--forward -1.0: give a time >= 0"),
+    (["memory", "--preset", "tiny", "--micro-batch-size", "-3"], "--micro-batch-size -3: give at least 1"),
+    (["memory", "--preset", "tiny", "--micro-batch-size", "0"], "--micro-batch-size 0: give at least 1"),
+    (["memory", "--preset", "tiny", "--seq-len", "-128"], "--seq-len -128: give at least 1"),
+    (["memory", "--preset", "tiny", "--moe-skew", "0.5"], "--moe-skew 0.5: give at least 1"),
+    (["memory", "--parallel", "tp=3"], "tp=3 does not divide num_attention_heads=128; pick tp in [1, 2, 4, 8, 16"),
+    (["memory", "--parallel", "tp=5"], "tp=5 does not divide num_attention_heads=128"),
+    (["memory", "--preset", "small", "--parallel", "pp=4"], "microbatches=1 < pp=4 leaves stages idle"),
+    (["memory", "--preset", "small", "--parallel", "tpp=2"], "parallel has unknown key(s) ['tpp']"),
+    (["memory", "--preset", "tiny", "--parallel", "pp=2,microbatches=2"],
+     "micro_batch_size=1 (per data-parallel rank) is not divisible by microbatches=2; make it a multiple of 2"),
+    (["balance", "--preset", "small", "--pp", "2", "--seq-len", "0"], "--seq-len 0: give at least 1"),
+    (["balance", "--preset", "small", "--pp", "4", "--microbatches", "2"], "microbatches=2 < pp=4"),
+    (["balance", "--preset", "small", "--pp", "2", "--parallel", "tp=3"],
+     "tp=3 does not divide num_attention_heads=8; pick tp in [1, 2, 4, 8]"),
+    (["balance", "--preset", "small", "--pp", "2", "--flops", "0"], "--flops 0.0: give a rate > 0"),
+    (["search", "--preset", "small", "--devices", "8", "--global-batch", "0"], "--global-batch 0: give at least 1"),
+], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_plan_refuses_what_pretrain_would(argv, says, capsys):
+    """A layout pretrain refuses (ParallelConfig's checks, one validator) and a count below 1 end in one
+    line naming the fix, exit 2."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", *argv])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith("seekforge plan: error: ") and says in err, err
+
+
+@pytest.mark.parametrize("argv", [
+    ["--pp", "2"],
+    ["--pp", "4", "--microbatches", "4", "--micro-batch-size", "2", "--parallel", "dp_shard=2,tp=2"],
+], ids=" ".join)
+def test_plan_balance_flags_are_ones_pretrain_accepts(argv, capsys, monkeypatch):
+    """The printed flags pass pretrain's own layout and batch checks (train/pretrain.parallel_layout)."""
+    from seekforge.config import TrainConfig, parse_parallel
+    from seekforge.train.pretrain import parallel_layout
+
+    main(["plan", "balance", "--preset", "small", "--seq-len", "256", "--flops", "1e12", *argv])
+    flags = capsys.readouterr().out.splitlines()[-1].removeprefix("pretrain flags: ").split()
+    given = dict(zip(flags[::2], flags[1::2], strict=True))
+    cfg = TrainConfig(preset="small", seq_len=int(given["--seq-len"]),
+                      micro_batch_size=int(given["--micro-batch-size"]), parallel=parse_parallel(given["--parallel"]))
+    pc = cfg.parallel_config()
+    monkeypatch.setenv("WORLD_SIZE", str(pc.world_size))  # as torchrun would start it
+    assert parallel_layout(cfg, cfg.model_config(), pc.world_size) == pc
+
+
+def test_every_plan_option_has_a_description():
+    """`seekforge plan --help` and each sub-verb's --help describe every option (argparse prints none
+    for an option without help, and no default either)."""
+    import argparse
+
+    from seekforge.plan.cli import add_arguments
+
+    parser = argparse.ArgumentParser(prog="seekforge plan")
+    add_arguments(parser)
+    verbs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert all(choice.help for choice in verbs._choices_actions)
+    bare = [f"{verb} {action.option_strings[-1]}" for verb, sub in verbs.choices.items() for action in sub._actions
+            if not action.help]
+    assert not bare, f"options without a description: {bare}"
