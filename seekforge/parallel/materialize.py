@@ -146,11 +146,13 @@ def dry_run(cfg: ModelConfig, pc: ParallelConfig, rank: int = 0) -> str:
             raise AssertionError(f"rank {rank}: the meta build holds {built} B, the layout {per_rank[rank]} B")
     finally:
         dist.destroy_process_group()
-    return format_rank_bytes(per_rank, pc, rank)
+    model_bytes = sum(math.prod(t.shape) * t.element_size for t in layout.tensors.values())
+    return format_rank_bytes(per_rank, pc, rank, model_bytes)
 
 
-def format_rank_bytes(per_rank: list[int], pc: ParallelConfig, checked: int) -> str:
-    """Runs of consecutive ranks with equal parameter bytes, one line each."""
+def format_rank_bytes(per_rank: list[int], pc: ParallelConfig, checked: int, model_bytes: int) -> str:
+    """Runs of consecutive ranks with equal parameter bytes, one line each; the total against the
+    model's own size (`model_bytes`, one copy of every tensor)."""
     lines = [f"layout {pc.world_size} ranks: pp={pc.pp} dp_replicate={pc.dp_replicate} dp_shard={pc.dp_shard} "
              f"tp={pc.tp} ep={pc.ep}; parameter bytes per rank (fp32, described layout):"]
     start = 0
@@ -159,7 +161,13 @@ def format_rank_bytes(per_rank: list[int], pc: ParallelConfig, checked: int) -> 
             span = f"rank {start}" if r - 1 == start else f"ranks {start}-{r - 1}"
             lines.append(f"  {span:<16} {per_rank[start] / 2**30:10.3f} GiB  ({per_rank[start]} B)")
             start = r
-    lines.append(f"  total {sum(per_rank) / 2**30:.1f} GiB over all ranks; max {max(per_rank) / 2**30:.3f} GiB")
+    total = sum(per_rank)
+    lines.append(f"  total {total / 2**30:.1f} GiB over all ranks, {total / model_bytes:.2f} x the model's "
+                 f"{model_bytes / 2**30:.1f} GiB (fp32 parameters, one copy); max {max(per_rank) / 2**30:.3f} GiB")
+    if total > model_bytes:  # a user expects the model's size here; say where the rest comes from
+        lines.append("  (a tensor is whole on each rank of a mesh dimension that does not split it: routed experts "
+                     "and the router on every tp rank, everything on every dp_replicate replica, the embedding "
+                     "on the last stage too when MTP needs it)")
     lines.append(f"rank {checked}: meta build parallelized under a fake {pc.world_size}-rank process group; "
                  "its local shapes match the layout; nothing materialized")
     return "\n".join(lines)

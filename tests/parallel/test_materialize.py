@@ -43,6 +43,10 @@ def test_v3_671b_on_2048_ranks_dry_run():
     report = dry_run(preset("v3-671b"), pc, rank=2047)
     print(report)
     assert "ranks 0-" in report and "-2047 " in report and "nothing materialized" in report
+    # 5028.8 GiB over the ranks is right: tp=2 does not split the routed experts (97% of the model),
+    # so each is held on both tp ranks; the report says so instead of leaving 2x the model unexplained
+    assert "total 5028.8 GiB over all ranks, 1.98 x the model's 2543.0 GiB" in report
+    assert "routed experts and the router on every tp rank" in report
 
 
 def test_dry_run_takes_a_recompute_mode_per_block_with_pp():
