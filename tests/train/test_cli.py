@@ -1,9 +1,12 @@
+import argparse
 import json
+import re
 
 import pytest
 import torch
 
 from seekforge.cli import main
+from seekforge.config import ParallelConfig, preset
 from seekforge.train.checkpoint import latest_checkpoint, load_checkpoint
 
 
@@ -148,3 +151,25 @@ def test_ctrl_c_says_whether_a_rerun_resumes(tmp_path, capsys, monkeypatch):
             main(["pretrain", "--preset", "tiny", "--out-dir", str(out)])
         assert exit_info.value.code == 130 and expected in capsys.readouterr().err
         (out / "checkpoints" / "step_000004").mkdir(parents=True, exist_ok=True)
+
+
+def test_every_example_in_pretrain_help_runs(capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)  # --set examples resolve the default run directory; keep it empty
+    with pytest.raises(SystemExit):
+        main(["pretrain", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # help wraps lines anywhere
+    commands = re.findall(r"\((?:any size: )?(--preset [^)]+)\)", text)
+    assert commands, "no command example found in pretrain --help"
+    for command in commands:  # each dry-runs as printed
+        main(["pretrain", "--dry-run", *command.split()])
+        assert "nothing materialized" in capsys.readouterr().out, command
+    settings = re.findall(r"--set ([\w.]+=\d[^\s;,]*)", text)  # not the KEY=VALUE placeholders
+    assert settings, "no --set example found in pretrain --help"
+    from seekforge.train.cli import add_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    config_from_args(parser.parse_args([arg for s in settings for arg in ("--set", s)]))
+    for layout in re.findall(r"e\.g\. ((?:\w+=\d+,?)+) \(world size", text):
+        pc = ParallelConfig(**{k: int(v) for k, v in (kv.split("=") for kv in layout.split(","))})
+        pc.validate(pc.pp * pc.dp_replicate * pc.dp_shard * pc.tp, preset("small"))
