@@ -297,17 +297,31 @@ def latest_checkpoint(ckpt_root: str | Path, fallback: bool = True, verify: bool
     problem = f"checkpoint {named.name} is damaged: {verdict.file}: {verdict.reason}"
     named_step = int(m.group(1)) if (m := _STEP_DIR.match(named.name)) else None
     older = [p for p in step_dirs(ckpt_root) if named_step is None or _step_of(p) < named_step]
+    intact = next((p for p in older if integrity.verify(p).usable), None)
+    if intact is None:  # nothing to fall back to: only starting over (or another run name) helps
+        raise CorruptFileError(verdict.file, verdict.reason,
+                               f"checkpoint {named.name} is damaged and no older intact checkpoint exists under "
+                               f"{ckpt_root}; rerun with --no-resume to start fresh (or --name NEW for a new run)")
     if not fallback:
         raise CorruptFileError(verdict.file, verdict.reason,
-                               f"checkpoint {named.name} is damaged. Drop --no-checkpoint-fallback to resume from the "
-                               f"newest intact older checkpoint ({len(older)} exist), or --no-resume to start fresh")
-    for candidate in older:
-        if integrity.verify(candidate).usable:
-            _warn(f"{problem}; resuming from {candidate.name} instead")
-            return candidate
-    raise CorruptFileError(verdict.file, verdict.reason,
-                           f"checkpoint {named.name} is damaged and no older intact checkpoint exists under "
-                           f"{ckpt_root}; rerun with --no-resume to start fresh")
+                               f"checkpoint {named.name} is damaged. Drop --no-checkpoint-fallback to resume from "
+                               f"{intact.name}, the newest intact older checkpoint, or pass --no-resume to start fresh")
+    _warn(f"{problem}; resuming from {intact.name} instead")
+    return intact
+
+
+def latest_pointer_problem(ckpt_root: Path) -> str | None:
+    """What is wrong with ckpt_root/latest, if anything: it must name a step_* directory that exists
+    (a missing `latest` is not a problem: resume takes the newest step_* directory for it)."""
+    pointer = ckpt_root / "latest"
+    if not pointer.exists():
+        return None
+    name = pointer.read_text().strip()
+    if _STEP_DIR.match(name) and (ckpt_root / name).is_dir():
+        return None
+    newest = step_dirs(ckpt_root)[:1]
+    fix = f"point it at one (echo {newest[0].name} > {pointer})" if newest else "delete it"
+    return f"{pointer} names {name!r}, which is not a checkpoint directory here; {fix}"
 
 
 def load_checkpoint(path: str | Path, model, optimizer=None, scheduler=None, loader=None,
