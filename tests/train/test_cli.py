@@ -173,3 +173,31 @@ def test_every_example_in_pretrain_help_runs(capsys, monkeypatch, tmp_path):
     for layout in re.findall(r"e\.g\. ((?:\w+=\d+,?)+) \(world size", text):
         pc = ParallelConfig(**{k: int(v) for k, v in (kv.split("=") for kv in layout.split(","))})
         pc.validate(pc.pp * pc.dp_replicate * pc.dp_shard * pc.tp, preset("small"))
+
+
+def test_convert_writes_what_pretrains_export_writes(tmp_path):
+    """fp32 as pretrain's hf/ (the checkpoint's master weights), files readable as any other (mode 0644 under
+    umask 022; safetensors alone leaves 0600), and the index HF writes once there are several shards."""
+    import os
+
+    from safetensors import safe_open
+
+    from seekforge.config import preset
+    from seekforge.model.model import build_model
+    from seekforge.train.checkpoint import save_checkpoint
+
+    save_checkpoint(tmp_path / "run" / "checkpoints", 7, build_model(preset("tiny"), seed=3))
+    old_umask = os.umask(0o022)
+    try:
+        main(["convert", str(tmp_path / "run"), str(tmp_path / "hf")])
+        main(["convert", str(tmp_path / "run"), str(tmp_path / "sharded"), "--max-shard-size", "200KB"])
+    finally:
+        os.umask(old_umask)
+    hf = tmp_path / "hf"
+    assert json.loads((hf / "config.json").read_text())["torch_dtype"] == "float32"
+    with safe_open(hf / "model.safetensors", "pt") as f:
+        assert f.get_tensor("model.embed_tokens.weight").dtype == torch.float32
+    for file in [*hf.iterdir(), *(tmp_path / "sharded").iterdir()]:
+        assert oct(file.stat().st_mode & 0o777) == oct(0o644), file
+    shards = sorted((tmp_path / "sharded").glob("model-*.safetensors"))
+    assert len(shards) > 1 and (tmp_path / "sharded" / "model.safetensors.index.json").exists()
