@@ -35,6 +35,7 @@ intact older checkpoint is used instead, with one warning line.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import os
 import random
@@ -59,6 +60,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from seekforge.config import ModelConfig
 from seekforge.errors import CorruptFileError, UserError
 from seekforge.parallel.layout import layout_of_model
 from seekforge.train import integrity
@@ -322,6 +324,30 @@ def latest_pointer_problem(ckpt_root: Path) -> str | None:
     newest = step_dirs(ckpt_root)[:1]
     fix = f"point it at one (echo {newest[0].name} > {pointer})" if newest else "delete it"
     return f"{pointer} names {name!r}, which is not a checkpoint directory here; {fix}"
+
+
+# Set from the tokenizer when a run starts (train/pretrain.resolve_model_config), not by the model asked for;
+# `extra` holds the HF config's other keys.
+_NOT_ASKED_FOR = ("vocab_size", "bos_token_id", "eos_token_id", "extra")
+
+
+def check_resumed_model(out_dir: str | Path, asked: ModelConfig, named_by: str) -> None:
+    """Refuse to resume out_dir's run when its model is not `asked` (which `named_by`, e.g. --preset small,
+    names explicitly): resuming keeps the stored model, so the user would silently train another model."""
+    ckpt_root = Path(out_dir) / "checkpoints"
+    latest = latest_checkpoint(ckpt_root, verify=False) if ckpt_root.is_dir() else None
+    if latest is None or not (latest / "config.json").exists():
+        return
+    stored = ModelConfig.from_hf(latest)
+    differ = [f.name for f in dataclasses.fields(ModelConfig)
+              if f.name not in _NOT_ASKED_FOR and getattr(stored, f.name) != getattr(asked, f.name)]
+    if differ:
+        def listed(cfg):
+            return ", ".join(f"{k}={getattr(cfg, k)!r}" for k in differ[:3]) + (", …" if len(differ) > 3 else "")
+
+        raise UserError(f"{out_dir} holds a run of another model: it has {listed(stored)} ({latest.name}); "
+                        f"{named_by} asks for {listed(asked)}. A resumed run keeps its model: pass --name NAME "
+                        f"for a new run, or --no-resume to start {out_dir} over")
 
 
 def load_checkpoint(path: str | Path, model, optimizer=None, scheduler=None, loader=None,

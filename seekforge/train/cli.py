@@ -120,6 +120,10 @@ def config_from_args(args) -> TrainConfig:
             # resuming a run (one of another model, say, from `seekforge convert`): its own model, not the default
             # run's, which the user did not ask for; the model keys they did set are still checked against it
             cfg = dataclasses.replace(cfg, model=user_model)
+    if "preset" in given and cfg.resume and not given.get("dry_run"):  # resuming another model would train that one
+        from seekforge.train.checkpoint import check_resumed_model
+
+        check_resumed_model(cfg.out_dir, cfg.model_config(), f"--preset {given['preset']}")
     return cfg
 
 

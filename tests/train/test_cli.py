@@ -201,3 +201,23 @@ def test_convert_writes_what_pretrains_export_writes(tmp_path):
         assert oct(file.stat().st_mode & 0o777) == oct(0o644), file
     shards = sorted((tmp_path / "sharded").glob("model-*.safetensors"))
     assert len(shards) > 1 and (tmp_path / "sharded" / "model.safetensors.index.json").exists()
+
+
+def test_a_new_snippet_in_a_finished_runs_directory_says_pass_name(tmp_path, capsys, monkeypatch):
+    """README snippets run after the main job land in its runs/default: other data, or an explicit --preset
+    of another model, must not silently resume it (the data failed obscurely, the preset trained the stored
+    model); both say to pass --name (or --no-resume)."""
+    monkeypatch.chdir(tmp_path)
+    quick = ["--seq-len", "32", "--micro-batch-size", "2", "--steps", "1", "--set", "sample_prompt=",
+             "--set", "export_hf=false", "--set", "peak_flops=1e11"]
+    main(["pretrain", *quick])  # the main job's model, in runs/default
+    capsys.readouterr()
+    for other in (["--data", "builtin:arithmetic"], ["--preset", "small"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["pretrain", *quick, "--steps", "2", *other])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and "--name" in err and "--no-resume" in err and "Traceback" not in err, err
+    assert latest_checkpoint(tmp_path / "runs" / "default" / "checkpoints").name == "step_000001"
+    main(["pretrain", "--preset", "small", "--dry-run"])  # resumes nothing: no run to refuse
+    main(["pretrain", *quick, "--preset", "small", "--name", "small", "--set", "model.num_hidden_layers=1"])
+    assert latest_checkpoint(tmp_path / "runs" / "small" / "checkpoints").name == "step_000001"
