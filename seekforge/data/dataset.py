@@ -210,8 +210,10 @@ class BatchLoader:
         mine = self.state_dict()
         for key in ("batch_size", "seed", "dataset_len"):
             if state[key] != mine[key]:
-                raise ValueError(f"checkpoint data state has {key}={state[key]} but this loader has {mine[key]}; "
-                                 "resume with the same data spec, seq_len, num_samples, batch size and seed")
+                raise ValueError(f"checkpoint data state has {key}={state[key]} but this loader has {mine[key]}: the "
+                                 "run being resumed was trained on other data or batches. For a new run on this data "
+                                 "pass --name NAME (or --no-resume to start this one over); to resume it, pass its "
+                                 "data spec, seq_len, micro batch size and seed")
         self.batches_yielded = int(state["batches_yielded"])
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from seekforge.data.indexed import IndexedDatasetBuilder, optimal_dtype
+from seekforge.errors import UserError
 from seekforge.model.tokenizer import load_tokenizer
 
 LINES_PER_CHUNK = 256  # large enough to amortize pickling, small enough for a smooth progress bar
@@ -71,27 +72,49 @@ def _encode_chunk(chunk: tuple[int, list[str]]) -> list[list[int]]:
 
 
 def _document_text(line: str, line_number: int, key: str) -> str:
+    # UserError, not a bare ValueError: a worker's error reaches the CLI re-raised by the pool, and only
+    # its type then says it is the user's file rather than a bug.
     try:
         record = json.loads(line)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{_worker['input_name']}:{line_number}: not valid JSON ({e.msg}); "
-                         "a .jsonl file needs one JSON object per line") from None
+        raise UserError(f"{_worker['input_name']}:{line_number}: not valid JSON ({e.msg}); "
+                        "a .jsonl file needs one JSON object per line") from None
     if not isinstance(record, dict) or key not in record:
         keys = list(record) if isinstance(record, dict) else type(record).__name__
-        raise ValueError(f"{_worker['input_name']}:{line_number}: no {key!r} field (has {keys}); pass --json-key")
+        raise UserError(f"{_worker['input_name']}:{line_number}: no {key!r} field (has {keys}); pass --json-key")
     text = record[key]
     if not isinstance(text, str):
-        raise ValueError(f"{_worker['input_name']}:{line_number}: the {key!r} field is a {type(text).__name__}, not "
-                         "text; fix the line, or pass --json-key for the field that holds the document")
+        raise UserError(f"{_worker['input_name']}:{line_number}: the {key!r} field is a {type(text).__name__}, not "
+                        "text; fix the line, or pass --json-key for the field that holds the document")
     return text
 
 
 def _chunks(path: Path):
     with open(path, encoding="utf-8") as f:
         first_line = 1
-        while lines := list(islice(f, LINES_PER_CHUNK)):
-            yield first_line, lines
-            first_line += len(lines)
+        try:
+            while lines := list(islice(f, LINES_PER_CHUNK)):
+                yield first_line, lines
+                first_line += len(lines)
+        except UnicodeDecodeError:
+            # UserError for the same reason as in _document_text: with --workers > 1 the pool re-raises it.
+            raise UserError(_not_utf8(path)) from None
+
+
+def _not_utf8(path: Path) -> str:
+    """Where `path` first stops being UTF-8, as a message with the fix. The decoder's own error counts
+    from its read buffer, so find the place again line by line (a newline byte never occurs inside a
+    UTF-8 sequence, so decoding each line alone fails at the same byte)."""
+    offset = 0
+    with open(path, "rb") as f:
+        for line_number, raw in enumerate(f, start=1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                return (f"{path}:{line_number}: not UTF-8 (byte 0x{raw[e.start]:02x} at offset {offset + e.start}); "
+                        f"re-encode the file, e.g. iconv -f latin1 -t utf-8 {path} > utf8{path.suffix}")
+            offset += len(raw)
+    return f"{path}: not UTF-8; re-encode the file, e.g. with iconv -t utf-8"
 
 
 def preprocess(input_path: str | Path, tokenizer_name: str, prefix: str, json_key: str = "text",

@@ -332,7 +332,7 @@ def save_hf(model: Transformer, path: str | Path, max_shard_size: int | str = "5
             tensors = {}
             for entry in shard:
                 tensors.update(produce(entry, params))
-            save_file(tensors, tmp / file, metadata={"format": "pt"})
+            save_safetensors(tensors, tmp / file, metadata={"format": "pt"})
             weight_map.update(dict.fromkeys(tensors, file))
             del tensors
         if len(shards) > 1:
@@ -401,6 +401,15 @@ def hf_config(model: Transformer, dtype: torch.dtype | None, fp8: bool) -> dict:
     if fp8:
         config["quantization_config"] = dict(FP8_QUANTIZATION_CONFIG)
     return config
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], file: Path, metadata: dict[str, str] | None = None) -> None:
+    """safetensors' save_file, leaving the file with the permissions any new file gets (0644 under umask 022):
+    save_file itself leaves 0600, which a server under another account, or a copy shared with others, cannot read."""
+    save_file(tensors, file, metadata=metadata)
+    umask = os.umask(0)  # the only portable way to read it
+    os.umask(umask)
+    os.chmod(file, 0o666 & ~umask)
 
 
 def replace_dir(tmp: Path, path: Path) -> None:

@@ -9,6 +9,7 @@ MTP modules stay gathered after forward: mtp_losses applies each module's `norm`
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
@@ -33,6 +34,11 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, mp_policy: MixedPrecisionP
         if isinstance(module, MoE) and expert_mesh is not None:
             fully_shard(module.experts, mesh=expert_mesh, mp_policy=mp_policy)
             module.experts.set_gradient_divide_factor(float(expert_grad_divide_factor))
+            # A factor other than the shard size makes FSDP reduce-scatter with PREMUL_SUM, which only
+            # NCCL has; elsewhere (gloo) reduce with SUM and divide after. Not on a 1-rank shard: FSDP
+            # skips that reduce-scatter and divides by the factor itself (forcing SUM would divide twice).
+            if expert_mesh.size(expert_mesh.ndim - 1) > 1 and not _has_premul_sum(expert_mesh):
+                module.experts.set_force_sum_reduction_for_comms(True)
     layers = getattr(model, "layers", [])
     for block in list(layers.values() if isinstance(layers, nn.ModuleDict) else layers):
         fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy)  # the block, or its recompute wrapper
@@ -53,4 +59,9 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, mp_policy: MixedPrecisionP
     fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy)
     if hasattr(model, "hidden"):
         register_fsdp_forward_method(model, "hidden")
+
+
+def _has_premul_sum(mesh: DeviceMesh) -> bool:
+    """Whether the collectives on `mesh` support ReduceOp.PREMUL_SUM (NCCL's; not gloo's)."""
+    return all(dist.get_backend(mesh.get_group(dim)) == "nccl" for dim in range(mesh.ndim))
 

@@ -16,12 +16,19 @@ import torch.nn.functional as F
 from seekforge.config import TrainConfig
 from seekforge.data.corpora import ArithmeticTask, check_answer
 from seekforge.data.dataset import build_datasets
+from seekforge.errors import UserError
 from seekforge.model.generate import generate
 
 
 @torch.inference_mode()
 def perplexity(model, tokenizer, num_samples: int = 32, seq_len: int = 256, seed: int = 0,
                dataset: str = "builtin:text") -> float:
+    if num_samples < 1:
+        raise UserError(f"--num-samples {num_samples}: perplexity needs at least 1 sample")
+    context = model.cfg.max_position_embeddings
+    if not 1 <= seq_len <= context:  # past the context RoPE has no trained positions (and memory runs out)
+        raise UserError(f"--seq-len {seq_len}: the model's context is 1 to {context} tokens "
+                        f"(max_position_embeddings); pass --seq-len {min(context, 256)} or less")
     _, valid, _ = build_datasets(dataset, tokenizer, seq_len, seed, (0, num_samples, 0), TrainConfig.split)
     total, count = 0.0, 0
     for k in range(num_samples):
@@ -63,6 +70,8 @@ def run(args):
     from seekforge.model.precision import resolve_dtype
     from seekforge.quant.load import load_model
 
+    if args.num_questions < 0:
+        raise UserError(f"--num-questions {args.num_questions}: pass 0 to skip accuracy, or more")
     dtype = resolve_dtype(args.dtype, hidden_size=model_width(args.model))[0]
     model, tokenizer = load_model(args.model, dtype)
     ppl = perplexity(model, tokenizer, args.num_samples, args.seq_len, dataset=args.data)

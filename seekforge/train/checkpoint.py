@@ -35,6 +35,7 @@ intact older checkpoint is used instead, with one warning line.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import os
 import random
@@ -59,6 +60,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from seekforge.config import ModelConfig
 from seekforge.errors import CorruptFileError, UserError
 from seekforge.parallel.layout import layout_of_model
 from seekforge.train import integrity
@@ -297,17 +299,55 @@ def latest_checkpoint(ckpt_root: str | Path, fallback: bool = True, verify: bool
     problem = f"checkpoint {named.name} is damaged: {verdict.file}: {verdict.reason}"
     named_step = int(m.group(1)) if (m := _STEP_DIR.match(named.name)) else None
     older = [p for p in step_dirs(ckpt_root) if named_step is None or _step_of(p) < named_step]
+    intact = next((p for p in older if integrity.verify(p).usable), None)
+    if intact is None:  # nothing to fall back to: only starting over (or another run name) helps
+        raise CorruptFileError(verdict.file, verdict.reason,
+                               f"checkpoint {named.name} is damaged and no older intact checkpoint exists under "
+                               f"{ckpt_root}; rerun with --no-resume to start fresh (or --name NEW for a new run)")
     if not fallback:
         raise CorruptFileError(verdict.file, verdict.reason,
-                               f"checkpoint {named.name} is damaged. Drop --no-checkpoint-fallback to resume from the "
-                               f"newest intact older checkpoint ({len(older)} exist), or --no-resume to start fresh")
-    for candidate in older:
-        if integrity.verify(candidate).usable:
-            _warn(f"{problem}; resuming from {candidate.name} instead")
-            return candidate
-    raise CorruptFileError(verdict.file, verdict.reason,
-                           f"checkpoint {named.name} is damaged and no older intact checkpoint exists under "
-                           f"{ckpt_root}; rerun with --no-resume to start fresh")
+                               f"checkpoint {named.name} is damaged. Drop --no-checkpoint-fallback to resume from "
+                               f"{intact.name}, the newest intact older checkpoint, or pass --no-resume to start fresh")
+    _warn(f"{problem}; resuming from {intact.name} instead")
+    return intact
+
+
+def latest_pointer_problem(ckpt_root: Path) -> str | None:
+    """What is wrong with ckpt_root/latest, if anything: it must name a step_* directory that exists
+    (a missing `latest` is not a problem: resume takes the newest step_* directory for it)."""
+    pointer = ckpt_root / "latest"
+    if not pointer.exists():
+        return None
+    name = pointer.read_text().strip()
+    if _STEP_DIR.match(name) and (ckpt_root / name).is_dir():
+        return None
+    newest = step_dirs(ckpt_root)[:1]
+    fix = f"point it at one (echo {newest[0].name} > {pointer})" if newest else "delete it"
+    return f"{pointer} names {name!r}, which is not a checkpoint directory here; {fix}"
+
+
+# Set from the tokenizer when a run starts (train/pretrain.resolve_model_config), not by the model asked for;
+# `extra` holds the HF config's other keys.
+_NOT_ASKED_FOR = ("vocab_size", "bos_token_id", "eos_token_id", "extra")
+
+
+def check_resumed_model(out_dir: str | Path, asked: ModelConfig, named_by: str) -> None:
+    """Refuse to resume out_dir's run when its model is not `asked` (which `named_by`, e.g. --preset small,
+    names explicitly): resuming keeps the stored model, so the user would silently train another model."""
+    ckpt_root = Path(out_dir) / "checkpoints"
+    latest = latest_checkpoint(ckpt_root, verify=False) if ckpt_root.is_dir() else None
+    if latest is None or not (latest / "config.json").exists():
+        return
+    stored = ModelConfig.from_hf(latest)
+    differ = [f.name for f in dataclasses.fields(ModelConfig)
+              if f.name not in _NOT_ASKED_FOR and getattr(stored, f.name) != getattr(asked, f.name)]
+    if differ:
+        def listed(cfg):
+            return ", ".join(f"{k}={getattr(cfg, k)!r}" for k in differ[:3]) + (", …" if len(differ) > 3 else "")
+
+        raise UserError(f"{out_dir} holds a run of another model: it has {listed(stored)} ({latest.name}); "
+                        f"{named_by} asks for {listed(asked)}. A resumed run keeps its model: pass --name NAME "
+                        f"for a new run, or --no-resume to start {out_dir} over")
 
 
 def load_checkpoint(path: str | Path, model, optimizer=None, scheduler=None, loader=None,

@@ -3,7 +3,8 @@
     seekforge checkpoint verify runs/default       # or RUN_DIR/checkpoints, or one step_* directory
 
 prints one row per checkpoint (status, files, bytes, the first bad file and why) and marks the one
-`latest` names; exits 1 when any is damaged, so scripts can gate a copy or an upload on it.
+`latest` names; exits 1 when any is damaged or `latest` names none, so scripts can gate a copy or an
+upload on it.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from seekforge.train.checkpoint import latest_checkpoint, step_dirs
+from seekforge.train.checkpoint import latest_checkpoint, latest_pointer_problem, step_dirs
 from seekforge.train.integrity import verify
 
 
@@ -54,5 +55,8 @@ def run(args) -> None:
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[4])
     print(f"{len(dirs)} checkpoint(s) under {root}: {len(dirs) - bad} usable, {bad} damaged")
-    if bad:
+    pointer_problem = latest_pointer_problem(root)
+    if pointer_problem:  # a resume would not find the checkpoint `latest` promises
+        print(pointer_problem)
+    if bad or pointer_problem:
         sys.exit(1)

@@ -4,7 +4,7 @@ With no arguments it trains the built-in default: a small DeepSeek-V3 (MLA, 16-e
 the built-in text corpus with the byte tokenizer, sized to learn visibly in a few minutes on two
 CPU cores, writing runs/default/{metrics.jsonl, tensorboard/, loss.png, checkpoints/, hf/}.
 Under torchrun the same command trains one model over all ranks:
-    torchrun --nproc-per-node 8 -m seekforge.cli pretrain --parallel dp_shard=2,tp=2,ep=2,...
+    torchrun --nproc-per-node 8 -m seekforge.cli pretrain --parallel dp_shard=4,tp=2,ep=2
 The run itself is train/pretrain.py; this module turns the command line into its TrainConfig.
 """
 
@@ -88,7 +88,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dry-run", action="store_true", default=False,
                    help="print the --parallel layout's parameter bytes per rank and build this model on the meta "
                         "device, parallelized under a fake process group of that many ranks; allocate nothing, "
-                        "train nothing (any size: --preset v3-671b --parallel pp=8,dp_shard=128,ep=64,tp=2)")
+                        "train nothing (any size: --preset v3-671b "
+                        "--parallel pp=8,dp_shard=128,ep=64,tp=2,microbatches=8)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="any TrainConfig field, e.g. --set warmup=50 --set model.num_hidden_layers=4; "
                         "fields are listed in seekforge/config.py (TrainConfig)")
@@ -119,6 +120,10 @@ def config_from_args(args) -> TrainConfig:
             # resuming a run (one of another model, say, from `seekforge convert`): its own model, not the default
             # run's, which the user did not ask for; the model keys they did set are still checked against it
             cfg = dataclasses.replace(cfg, model=user_model)
+    if "preset" in given and cfg.resume and not given.get("dry_run"):  # resuming another model would train that one
+        from seekforge.train.checkpoint import check_resumed_model
+
+        check_resumed_model(cfg.out_dir, cfg.model_config(), f"--preset {given['preset']}")
     return cfg
 
 

@@ -43,7 +43,10 @@ def resolve_checkpoint(source: str | Path) -> Path:
                      "directory with a `latest` file, or a run directory")
 
 
-def dcp_to_hf(source: str | Path, hf_dir: str | Path, dtype: torch.dtype | None = torch.bfloat16) -> Path:
+def dcp_to_hf(source: str | Path, hf_dir: str | Path, dtype: torch.dtype = torch.float32,
+              max_shard_size: str = "5GB") -> Path:
+    """Export a checkpoint as pretrain exports its hf/: by default in fp32, the master weights' dtype
+    training checkpoints hold (bf16 halves the files and rounds the weights)."""
     from seekforge.model.hf import save_hf
     from seekforge.model.model import build_model
     from seekforge.model.tokenizer import load_tokenizer
@@ -54,7 +57,7 @@ def dcp_to_hf(source: str | Path, hf_dir: str | Path, dtype: torch.dtype | None 
         raise ValueError(f"{ckpt} has no config.json (saved by an older seekforge?); cannot rebuild the model")
     model = build_model(ModelConfig.from_hf(ckpt), "cpu", torch.float32)
     load_checkpoint(ckpt, model, restore_rng=False)
-    save_hf(model, hf_dir, dtype=dtype)
+    save_hf(model, hf_dir, max_shard_size, dtype=dtype)
     run_config = ckpt.parent.parent / "train_config.yaml"  # RUN/checkpoints/step_N: the run's tokenizer
     if run_config.exists():
         tokenizer = yaml.safe_load(run_config.read_text()).get("tokenizer", "byte")
@@ -87,8 +90,12 @@ def add_arguments(p) -> None:
     p.description = __doc__.split("\n\n")[0] + " The direction follows from SOURCE."
     p.add_argument("source", help="a training checkpoint (step_* / checkpoints/ / run dir) or an HF directory")
     p.add_argument("dest", help="HF output directory (from DCP), or a run directory (from HF)")
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
-                   help="weight dtype of the HF export (DCP → HF only)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="weight dtype of the HF export (DCP → HF only): float32 keeps the checkpoint's master "
+                        "weights as pretrain's hf/ export does; bfloat16 halves the files")
+    p.add_argument("--max-shard-size", default="5GB",
+                   help="largest safetensors file (DCP → HF only); a model larger than this is written as "
+                        "model-0000i-of-0000n.safetensors shards with model.safetensors.index.json, as HF does")
 
 
 def run(args) -> None:
@@ -99,5 +106,5 @@ def run(args) -> None:
         path = hf_to_dcp(source, args.dest)
         print(f"wrote {path}; continue training with: seekforge pretrain --out-dir {args.dest}")
     else:
-        path = dcp_to_hf(source, args.dest, getattr(torch, args.dtype))
+        path = dcp_to_hf(source, args.dest, getattr(torch, args.dtype), args.max_shard_size)
         print(f"wrote HF checkpoint {path}")

@@ -89,3 +89,26 @@ def test_hf_tokenizer(tmp_path, corpus):
     assert len(ds) == len(TEXTS)
     for i in (0, 7, 599):
         assert ds[i].tolist() == tokenizer.encode(TEXTS[i], add_special_tokens=False).ids + [eos]
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_non_utf8_input_is_one_line_naming_the_place(tmp_path, capsys, workers):
+    path = tmp_path / "latin1.txt"
+    path.write_bytes("first line\nsecond caf\u00e9 line\n".encode("latin-1"))  # é is the byte 0xe9
+    with pytest.raises(SystemExit) as exit_info:
+        main(["preprocess", "--input", str(path), "--output-prefix", str(tmp_path / "out"),
+              "--workers", str(workers)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    message = err.strip().splitlines()[-1]  # after the progress bar
+    assert "Traceback" not in err and message.startswith("seekforge preprocess: error: ")
+    assert f"{path}:2: not UTF-8 (byte 0xe9 at offset 21)" in message and "iconv" in message
+    assert [p.name for p in tmp_path.iterdir()] == ["latin1.txt"]
+
+
+def test_worker_errors_are_one_line_too(tmp_path, capsys):
+    path = tmp_path / "bad.jsonl"  # the pool re-raises a worker's error from its own code
+    path.write_text('{"text": "ok"}\n{"text": broken}\n')
+    with pytest.raises(SystemExit):
+        main(["preprocess", "--input", str(path), "--output-prefix", str(tmp_path / "out"), "--workers", "2"])
+    assert "Traceback" not in capsys.readouterr().err

@@ -22,9 +22,11 @@ def reference():
 @pytest.mark.parametrize("layout, world", [
     (dict(dp_shard=2), 2),
     (dict(dp_replicate=2, dp_shard=2, ep=2), 4),
+    # dp_shard > ep: experts FSDP-shard over 2 ranks but divide by 4; on gloo this needs SUM + divide
+    (dict(dp_shard=4, ep=2), 4),
     # selective recompute also runs, per block, in test_pipeline_parallel's PP+FSDP test
     pytest.param(dict(dp_shard=2, recompute="selective"), 2, marks=pytest.mark.slow),
-], ids=["fsdp", "hsdp-ep", "fsdp-recompute-selective"])
+], ids=["fsdp", "hsdp-ep", "fsdp-ep-dp_shard>ep", "fsdp-recompute-selective"])
 def test_data_parallel_matches_single_device(reference, layout, world):
     results = launch(run_layout, world, {}, layout)
     worst = assert_matches_reference(results, reference, LOSS_TOL, WEIGHT_TOL)
@@ -51,7 +53,7 @@ def test_fsdp_bf16_mixed_precision_tracks_fp32(reference):
     ref_update = torch.cat([(ref_state[k] - init[k]).flatten() for k in init])
     update = torch.cat([(state[k] - init[k]).flatten() for k in init])
     relative = ((update - ref_update).norm() / ref_update.norm()).item()
-    print(f"bf16: loss diff {max(abs(a - b) for a, b in zip(results[0]['losses'], ref_losses)):.1e}, "
+    print(f"bf16: loss diff {max(abs(a - b) for a, b in zip(results[0]['losses'], ref_losses, strict=True)):.1e}, "
           f"relative update error {relative:.3f}")
     assert relative < 0.2
 

@@ -1,6 +1,8 @@
 import pytest
 import torch
 
+from seekforge.cli import main
+from seekforge.errors import CorruptFileError
 from seekforge.model.model import build_model
 from seekforge.train import checkpoint as ckpt_module
 from seekforge.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -122,3 +124,39 @@ def test_not_a_checkpoint_is_a_value_error(tmp_path):
     _, model, _, _ = _tiny_state(tmp_path)
     with pytest.raises(ValueError, match="not a DCP checkpoint"):
         load_checkpoint(tmp_path, model)
+
+
+def _checkpoints(root, steps):
+    cfg = tiny_train_config(root)
+    model = build_model(cfg.model_config(), seed=0)
+    for step in steps:
+        save_checkpoint(root, step, model)
+
+
+def _damage(step_dir):
+    (step_dir / ".metadata").unlink()
+
+
+def test_no_fallback_advice_is_one_that_works(tmp_path):
+    root = tmp_path / "checkpoints"
+    _checkpoints(root, [1, 2])
+    _damage(root / "step_000002")
+    with pytest.raises(CorruptFileError, match="Drop --no-checkpoint-fallback to resume from step_000001"):
+        latest_checkpoint(root, fallback=False)
+    _damage(root / "step_000001")  # no intact one left: dropping the flag cannot help, so it is not suggested
+    with pytest.raises(CorruptFileError) as info:
+        latest_checkpoint(root, fallback=False)
+    assert "no older intact checkpoint" in str(info.value) and "--no-checkpoint-fallback" not in str(info.value)
+    assert "--no-resume" in str(info.value)
+
+
+def test_verify_fails_a_latest_that_points_nowhere(tmp_path, capsys):
+    root = tmp_path / "run" / "checkpoints"
+    _checkpoints(root, [1])
+    main(["checkpoint", "verify", str(tmp_path / "run")])
+    assert "1 usable, 0 damaged" in capsys.readouterr().out
+    (root / "latest").write_text("step_000009\n")
+    with pytest.raises(SystemExit) as info:
+        main(["checkpoint", "verify", str(tmp_path / "run")])
+    out = capsys.readouterr().out
+    assert info.value.code == 1 and "'step_000009'" in out and str(root / "latest") in out, out

@@ -1,9 +1,12 @@
+import argparse
 import json
+import re
 
 import pytest
 import torch
 
 from seekforge.cli import main
+from seekforge.config import ParallelConfig, preset
 from seekforge.train.checkpoint import latest_checkpoint, load_checkpoint
 
 
@@ -148,3 +151,73 @@ def test_ctrl_c_says_whether_a_rerun_resumes(tmp_path, capsys, monkeypatch):
             main(["pretrain", "--preset", "tiny", "--out-dir", str(out)])
         assert exit_info.value.code == 130 and expected in capsys.readouterr().err
         (out / "checkpoints" / "step_000004").mkdir(parents=True, exist_ok=True)
+
+
+def test_every_example_in_pretrain_help_runs(capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)  # --set examples resolve the default run directory; keep it empty
+    with pytest.raises(SystemExit):
+        main(["pretrain", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # help wraps lines anywhere
+    commands = re.findall(r"\((?:any size: )?(--preset [^)]+)\)", text)
+    assert commands, "no command example found in pretrain --help"
+    for command in commands:  # each dry-runs as printed
+        main(["pretrain", "--dry-run", *command.split()])
+        assert "nothing materialized" in capsys.readouterr().out, command
+    settings = re.findall(r"--set ([\w.]+=\d[^\s;,]*)", text)  # not the KEY=VALUE placeholders
+    assert settings, "no --set example found in pretrain --help"
+    from seekforge.train.cli import add_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    config_from_args(parser.parse_args([arg for s in settings for arg in ("--set", s)]))
+    for layout in re.findall(r"e\.g\. ((?:\w+=\d+,?)+) \(world size", text):
+        pc = ParallelConfig(**{k: int(v) for k, v in (kv.split("=") for kv in layout.split(","))})
+        pc.validate(pc.pp * pc.dp_replicate * pc.dp_shard * pc.tp, preset("small"))
+
+
+def test_convert_writes_what_pretrains_export_writes(tmp_path):
+    """fp32 as pretrain's hf/ (the checkpoint's master weights), files readable as any other (mode 0644 under
+    umask 022; safetensors alone leaves 0600), and the index HF writes once there are several shards."""
+    import os
+
+    from safetensors import safe_open
+
+    from seekforge.config import preset
+    from seekforge.model.model import build_model
+    from seekforge.train.checkpoint import save_checkpoint
+
+    save_checkpoint(tmp_path / "run" / "checkpoints", 7, build_model(preset("tiny"), seed=3))
+    old_umask = os.umask(0o022)
+    try:
+        main(["convert", str(tmp_path / "run"), str(tmp_path / "hf")])
+        main(["convert", str(tmp_path / "run"), str(tmp_path / "sharded"), "--max-shard-size", "200KB"])
+    finally:
+        os.umask(old_umask)
+    hf = tmp_path / "hf"
+    assert json.loads((hf / "config.json").read_text())["torch_dtype"] == "float32"
+    with safe_open(hf / "model.safetensors", "pt") as f:
+        assert f.get_tensor("model.embed_tokens.weight").dtype == torch.float32
+    for file in [*hf.iterdir(), *(tmp_path / "sharded").iterdir()]:
+        assert oct(file.stat().st_mode & 0o777) == oct(0o644), file
+    shards = sorted((tmp_path / "sharded").glob("model-*.safetensors"))
+    assert len(shards) > 1 and (tmp_path / "sharded" / "model.safetensors.index.json").exists()
+
+
+def test_a_new_snippet_in_a_finished_runs_directory_says_pass_name(tmp_path, capsys, monkeypatch):
+    """README snippets run after the main job land in its runs/default: other data, or an explicit --preset
+    of another model, must not silently resume it (the data failed obscurely, the preset trained the stored
+    model); both say to pass --name (or --no-resume)."""
+    monkeypatch.chdir(tmp_path)
+    quick = ["--seq-len", "32", "--micro-batch-size", "2", "--steps", "1", "--set", "sample_prompt=",
+             "--set", "export_hf=false", "--set", "peak_flops=1e11"]
+    main(["pretrain", *quick])  # the main job's model, in runs/default
+    capsys.readouterr()
+    for other in (["--data", "builtin:arithmetic"], ["--preset", "small"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["pretrain", *quick, "--steps", "2", *other])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and "--name" in err and "--no-resume" in err and "Traceback" not in err, err
+    assert latest_checkpoint(tmp_path / "runs" / "default" / "checkpoints").name == "step_000001"
+    main(["pretrain", "--preset", "small", "--dry-run"])  # resumes nothing: no run to refuse
+    main(["pretrain", *quick, "--preset", "small", "--name", "small", "--set", "model.num_hidden_layers=1"])
+    assert latest_checkpoint(tmp_path / "runs" / "small" / "checkpoints").name == "step_000001"
