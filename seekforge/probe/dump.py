@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
 from torch import nn
 
+from seekforge.model.hf import save_safetensors
 from seekforge.probe.config import DumpConfig, module_matcher
 
 STAT_NAMES = ("max", "min", "mean", "norm", "nan", "inf")
@@ -228,5 +228,5 @@ def write_dump(root: str | Path, step: int, rank: int, records: list[dict], tens
             f.write(json.dumps(record) + "\n")
     (path / "modules.json").write_text(json.dumps(classes, indent=0))
     if tensors:
-        save_file(tensors, str(path / "tensors.safetensors"))
+        save_safetensors(tensors, path / "tensors.safetensors")
     return path

@@ -24,7 +24,6 @@ import uuid
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
 from seekforge.config import ModelConfig
@@ -36,6 +35,7 @@ from seekforge.model.hf import (
     open_shard,
     read_tensor,
     replace_dir,
+    save_safetensors,
     shard_files,
 )
 from seekforge.model.moe import GroupedExperts
@@ -160,7 +160,7 @@ def save_compressed(model: nn.Module, path: str | Path, tokenizer_dir: str | Pat
     tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
     tmp.mkdir()
     try:
-        save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+        save_safetensors(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         generation = {k: config[k] for k in ("bos_token_id", "eos_token_id") if config.get(k) is not None}
         (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")

@@ -2,6 +2,7 @@
 
 import copy
 import json
+import os
 
 import pytest
 import torch
@@ -37,6 +38,14 @@ def test_round_trip_gives_the_same_model(saved):
     ids = torch.randint(0, model.cfg.vocab_size, (2, 12))
     with torch.no_grad():
         assert torch.equal(loaded(ids), model(ids))
+
+
+def test_the_weights_file_is_readable_by_others_as_any_new_file(saved):
+    """safetensors' save_file leaves 0600; a server under another account could not read the checkpoint."""
+    _, path = saved
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (path / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask
 
 
 def test_the_full_precision_loader_names_what_loads_it(saved):
@@ -138,7 +147,7 @@ def test_reads_a_checkpoint_llm_compressor_made_for_a_transformers_deepseek_v3(t
     """llm-compressor's oneshot (W4A16, group 128, RTN) on a transformers DeepseekV3 model; our model from
     its checkpoint must match transformers' own (compressed-tensors-decompressed) load of it. llm-compressor
     pins other compressed-tensors/transformers versions than this venv's, so it is not a declared test
-    dependency: run with it on PYTHONPATH (see BENCHMARKS.md's quantization section)."""
+    dependency: run with it on PYTHONPATH (BENCHMARKS.md, quant_decode.py's section, says how)."""
     pytest.importorskip("llmcompressor")
     from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import QuantizationModifier
