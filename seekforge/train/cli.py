@@ -91,7 +91,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "train nothing (any size: --preset v3-671b --parallel pp=8,dp_shard=128,ep=64,tp=2)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="any TrainConfig field, e.g. --set warmup=50 --set model.num_hidden_layers=4; "
-                        "fields are listed in seekforge/config.py (TrainConfig)")
+                        "fields are listed in seekforge/config/train.py (TrainConfig)")
 
 
 def config_from_args(args) -> TrainConfig:
