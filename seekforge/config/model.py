@@ -11,35 +11,36 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from seekforge.config import sizes
 from seekforge.config.rope import rope_type, yarn_factor, yarn_get_mscale
 
 
 @dataclass
 class ModelConfig:
-    vocab_size: int = 129280
-    hidden_size: int = 7168
-    intermediate_size: int = 18432
-    moe_intermediate_size: int = 2048
+    vocab_size: int = 129280  # V (the shape legend of model/model.py)
+    hidden_size: int = 7168  # H
+    intermediate_size: int = 18432  # a dense layer's SwiGLU width
+    moe_intermediate_size: int = 2048  # one expert's SwiGLU width
     num_hidden_layers: int = 61
-    num_attention_heads: int = 128
+    num_attention_heads: int = 128  # nh
     num_key_value_heads: int = 128  # MLA ignores it; kept for HF round trips
     q_lora_rank: int | None = 1536  # None: a plain q_proj (DeepSeek-V2-Lite)
-    kv_lora_rank: int = 512
-    qk_nope_head_dim: int = 128
-    qk_rope_head_dim: int = 64
-    v_head_dim: int = 128
-    n_routed_experts: int = 256
+    kv_lora_rank: int = 512  # r: the width of the latent c_kv that the KV cache stores
+    qk_nope_head_dim: int = 128  # dn
+    qk_rope_head_dim: int = 64  # dr: the rotated part of q and of the one k_pe all heads share
+    v_head_dim: int = 128  # dv
+    n_routed_experts: int = 256  # 0: every layer dense
     n_shared_experts: int = 1
-    num_experts_per_tok: int = 8
+    num_experts_per_tok: int = 8  # routed experts per token, chosen within topk_group of the n_group groups
     n_group: int = 8
     topk_group: int = 4
-    routed_scaling_factor: float = 2.5
+    routed_scaling_factor: float = 2.5  # on the routed experts' weighted sum
     norm_topk_prob: bool = True
     scoring_func: str = "sigmoid"  # "sigmoid" (V3) or "softmax" (V2)
     topk_method: str = "noaux_tc"  # "noaux_tc" (V3), "greedy" / "group_limited_greedy" (V2)
-    first_k_dense_replace: int = 3
+    first_k_dense_replace: int = 3  # layers 0..k-1 dense, then every moe_layer_freq-th layer MoE
     moe_layer_freq: int = 1
-    num_nextn_predict_layers: int = 1
+    num_nextn_predict_layers: int = 1  # MTP depth (DeepSeek-V3 §2.2)
     hidden_act: str = "silu"
     max_position_embeddings: int = 4096
     rope_theta: float = 10000.0
@@ -180,37 +181,8 @@ class ModelConfig:
 
     # ------------------------------------------------------------------ parameter counts
     def num_params(self) -> dict[str, int]:
-        """Exact parameter counts, computed from the config alone (no tensors allocated)."""
-        h, v = self.hidden_size, self.vocab_size
-        nh = self.num_attention_heads
-        if self.q_lora_rank is None:
-            q = h * nh * self.qk_head_dim
-        else:
-            q = h * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * nh * self.qk_head_dim
-        kv = h * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank
-        kv += self.kv_lora_rank * nh * (self.qk_nope_head_dim + self.v_head_dim)
-        attn = q + kv + nh * self.v_head_dim * h + 2 * h  # + both layer norms
-        dense_mlp = 3 * h * self.intermediate_size
-        expert = 3 * h * self.moe_intermediate_size
-        gate = self.n_routed_experts * h + self.n_routed_experts
-        shared = self.n_shared_experts * expert
-
-        def layer(moe: bool, active: bool) -> int:
-            if not moe:
-                return attn + dense_mlp
-            routed = (self.num_experts_per_tok if active else self.n_routed_experts) * expert
-            return attn + gate + shared + routed
-
-        embed = v * h
-        head = 0 if self.tie_word_embeddings else v * h
-        moe_flags = [self.is_moe_layer(i) for i in range(self.num_hidden_layers)]
-        total = embed + head + h + sum(layer(m, False) for m in moe_flags)
-        active = embed + head + h + sum(layer(m, True) for m in moe_flags)
-        # An MTP module: enorm + hnorm + eh_proj + one (MoE) block + its final norm; embedding and
-        # head are shared with the main model.
-        mtp_moe = self.n_routed_experts > 0
-        mtp = self.num_nextn_predict_layers * (2 * h + 2 * h * h + layer(mtp_moe, False) + h)
-        return {"total": total, "active": active, "mtp": mtp}
+        """Exact parameter counts, from the config alone: "total", "active" (per token) and "mtp" (config/sizes.py)."""
+        return sizes.num_params(self)
 
 
 _V3_YARN = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
