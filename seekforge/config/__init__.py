@@ -1,7 +1,7 @@
 """Configuration dataclasses, one module per concern; every name is importable from `seekforge.config`.
 
 - model.py: `ModelConfig` (the keys of a DeepSeek-V3 `config.json`), `PRESETS`, `preset`
-- rope.py: YaRN's scalar math
+- sizes.py: parameter counts and training FLOPs per unit of the model
 - parallel.py: `ParallelConfig`, the pipeline schedules, `parse_parallel`
 - train.py: `TrainConfig`, `parse_split`
 - engine.py: `EngineConfig`, `parse_bytes`
@@ -12,13 +12,12 @@ This package imports nothing from seekforge but `seekforge.errors`: every other 
 
 from seekforge.config.engine import EngineConfig, parse_bytes
 from seekforge.config.files import CONFIG_HELP, model_config_of, read_config_file
-from seekforge.config.model import PRESETS, ModelConfig, preset
+from seekforge.config.model import PRESETS, ModelConfig, preset, rope_type
 from seekforge.config.parallel import MULTI_STAGE_SCHEDULES, PIPELINE_SCHEDULES, ParallelConfig, parse_parallel
-from seekforge.config.rope import rope_type, yarn_factor, yarn_get_mscale
 from seekforge.config.train import TrainConfig, parse_split
 
 __all__ = [
     "CONFIG_HELP", "MULTI_STAGE_SCHEDULES", "PIPELINE_SCHEDULES", "PRESETS", "EngineConfig", "ModelConfig",
     "ParallelConfig", "TrainConfig", "model_config_of", "parse_bytes", "parse_parallel", "parse_split", "preset",
-    "read_config_file", "rope_type", "yarn_factor", "yarn_get_mscale",
+    "read_config_file", "rope_type",
 ]

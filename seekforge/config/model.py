@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 from seekforge.config import sizes
-from seekforge.config.rope import rope_type, yarn_factor, yarn_get_mscale
 
 
 @dataclass
@@ -72,19 +71,6 @@ class ModelConfig:
             and layer_id >= self.first_k_dense_replace
             and layer_id % self.moe_layer_freq == 0
         )
-
-    @property
-    def softmax_scale(self) -> float:
-        """1/sqrt(d_qk), times mscale² under YaRN: the attention-entropy correction of YaRN §3.4
-        is applied to both q and k, so the logits scale by its square (as HF and DeepSeek do)."""
-        scale = self.qk_head_dim**-0.5
-        rope = self.rope_scaling or {}
-        if rope_type(rope) == "yarn":
-            mscale_all_dim = rope.get("mscale_all_dim", 0)
-            if mscale_all_dim:
-                m = yarn_get_mscale(yarn_factor(self), mscale_all_dim)
-                scale *= m * m
-        return scale
 
     # ------------------------------------------------------------------ checks
     def validate(self) -> None:
@@ -183,6 +169,12 @@ class ModelConfig:
     def num_params(self) -> dict[str, int]:
         """Exact parameter counts, from the config alone: "total", "active" (per token) and "mtp" (config/sizes.py)."""
         return sizes.num_params(self)
+
+
+def rope_type(rope: dict) -> str:
+    """The kind of a rope_scaling / rope_parameters dict: "rope_type" in newer
+    transformers, "type" in DeepSeek's own config.json."""
+    return rope.get("rope_type", rope.get("type", "default"))
 
 
 _V3_YARN = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
