@@ -9,7 +9,7 @@ from typing import Any
 
 import yaml
 
-from seekforge.config.model import ModelConfig, preset
+from seekforge.config.model import PRESETS, ModelConfig, preset
 from seekforge.config.train import TrainConfig
 
 
@@ -34,18 +34,21 @@ def read_config_file(path: str | Path, holds: str = "TrainConfig keys") -> dict[
     return raw
 
 
-CONFIG_HELP = ("a config.json or a checkpoint directory holding one, a training run directory, or a pretrain config "
-               "(YAML/TOML: its preset and model table)")
+CONFIG_HELP = ("a preset name, a config.json or a checkpoint directory holding one, a training run directory, or a "
+               "pretrain config (YAML/TOML: its preset and model table)")
 
 
 def model_config_of(source: str | Path) -> ModelConfig:
-    """The model a config names (`seekforge info`, `seekforge plan`): a config.json or a checkpoint directory holding
-    one; a pretrain config (YAML/TOML: its preset and model table); a training run directory (its HF export's config,
-    else its train_config.yaml's model)."""
+    """The model a name or file names, without reading a weight (`seekforge info`, `seekforge plan`): a preset
+    name; a config.json or a checkpoint directory holding one; a pretrain config (YAML/TOML: its preset and model
+    table, as TrainConfig.model_config builds them); a training run directory (its HF export's config, else its
+    train_config.yaml's model). A preset name wins over a path of that name, as in model/load.load_model."""
+    if str(source) in PRESETS:
+        return preset(str(source))
     path = Path(source)
     if path.suffix in (".yaml", ".yml", ".toml"):
         raw = read_config_file(path)
-        return preset(raw.get("preset", TrainConfig.preset), **(raw.get("model") or {}))
+        return TrainConfig(preset=raw.get("preset", TrainConfig.preset), model=raw.get("model") or {}).model_config()
     if path.is_dir() and not (path / "config.json").exists():
         for inside in (path / "hf" / "config.json", path / "train_config.yaml"):
             if inside.exists():
