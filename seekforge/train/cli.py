@@ -125,9 +125,11 @@ def config_from_args(args) -> TrainConfig:
 def run(args) -> None:
     if getattr(args, "dry_run", False):
         from seekforge.parallel.materialize import dry_run
+        from seekforge.train.pretrain import run_model
 
         cfg = config_from_args(args)
-        print(dry_run(cfg.model_config(), cfg.parallel_config()))
+        model_cfg, _, _ = run_model(cfg)  # the model the run would train: the tokenizer's vocab, or the resumed one
+        print(dry_run(model_cfg, cfg.parallel_config()))
         return
     from seekforge.train.pretrain import pretrain  # torch.distributed, data and model: only when it runs
 
