@@ -9,7 +9,7 @@ from typing import Any
 
 import yaml
 
-from seekforge.config.model import PRESETS, ModelConfig, preset
+from seekforge.config.model import ModelConfig
 from seekforge.config.train import TrainConfig
 
 
@@ -34,17 +34,15 @@ def read_config_file(path: str | Path, holds: str = "TrainConfig keys") -> dict[
     return raw
 
 
-CONFIG_HELP = ("a preset name, a config.json or a checkpoint directory holding one, a training run directory, or a "
-               "pretrain config (YAML/TOML: its preset and model table)")
+CONFIG_HELP = ("a config.json or a checkpoint directory holding one, a training run directory, or a pretrain config "
+               "(YAML/TOML: its preset and model table)")
 
 
 def model_config_of(source: str | Path) -> ModelConfig:
-    """The model a name or file names, without reading a weight (`seekforge info`, `seekforge plan`): a preset
-    name; a config.json or a checkpoint directory holding one; a pretrain config (YAML/TOML: its preset and model
-    table, as TrainConfig.model_config builds them); a training run directory (its HF export's config, else its
-    train_config.yaml's model). A preset name wins over a path of that name, as in model/load.load_model."""
-    if str(source) in PRESETS:
-        return preset(str(source))
+    """The model a config names, without reading a weight (`seekforge info`, `seekforge plan`): a config.json or a
+    checkpoint directory holding one; a pretrain config (YAML/TOML: its preset and model table, as
+    TrainConfig.model_config builds them); a training run directory (its HF export's config, else its
+    train_config.yaml's model). A `--model` (a preset or an HF checkpoint) is model/load.checkpoint_config's."""
     path = Path(source)
     if path.suffix in (".yaml", ".yml", ".toml"):
         raw = read_config_file(path)
