@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from seekforge.config import PRESETS, EngineConfig, ModelConfig, preset
+from seekforge.config import PRESETS, EngineConfig
 from seekforge.serve.engine import CompletionOutput, LLMEngine, Request, RequestOutput, drain
 from seekforge.serve.runner import Chunk, Runner, num_kv_blocks
 from seekforge.serve.sequence import SamplingParams
@@ -277,19 +277,6 @@ class DistributedEngine:
 
 
 # ---------------------------------------------------------------------------------- start
-def model_config_of(name_or_path: str) -> ModelConfig:
-    """The ModelConfig behind --model without reading any weight."""
-    if name_or_path in PRESETS:
-        return preset(name_or_path)
-    path = Path(name_or_path)
-    if not (path / "config.json").exists():
-        raise ValueError(f"--model {name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint "
-                         "directory with a config.json")
-    from seekforge.model.hf import drop_absent_mtp, shard_files, tensor_files
-
-    return drop_absent_mtp(ModelConfig.from_hf(path), tensor_files(shard_files(path)[0]))
-
-
 def check_engine_config(config: EngineConfig) -> None:
     for flag, on in (("--speculative-tokens", config.speculative_tokens), ("--num-scheduler-steps",
                      config.num_scheduler_steps > 1), ("--enable-lora/--lora-modules", config.enable_lora)):
@@ -303,7 +290,7 @@ def build(name_or_path: str, tp: int, dp_attention: int, ep: int, dtype: torch.d
     """Join the torchrun job (or the process group already up) and build this rank's part of the
     engine: its shards of the weights (read from the checkpoint's slices, or a preset's random weights)
     and its scheduler or runner. Bad layouts fail before anything is built."""
-    from seekforge.model.load import check_tokenizer_fits
+    from seekforge.model.load import check_tokenizer_fits, checkpoint_config
     from seekforge.model.tokenizer import load_tokenizer
     from seekforge.parallel.mesh import init_distributed
     from seekforge.parallel.serving import (
@@ -314,7 +301,7 @@ def build(name_or_path: str, tp: int, dp_attention: int, ep: int, dtype: torch.d
         fill_from_state_dict,
     )
 
-    cfg = model_config_of(name_or_path)
+    cfg = checkpoint_config(name_or_path)
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     check_engine_layout(cfg, tp, dp_attention, ep, world)
     check_engine_config(config)

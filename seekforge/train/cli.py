@@ -92,7 +92,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "--parallel pp=8,dp_shard=128,ep=64,tp=2,microbatches=8)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="any TrainConfig field, e.g. --set warmup=50 --set model.num_hidden_layers=4; "
-                        "fields are listed in seekforge/config.py (TrainConfig)")
+                        "fields are listed in seekforge/config/train.py (TrainConfig)")
 
 
 def config_from_args(args) -> TrainConfig:
@@ -130,9 +130,11 @@ def config_from_args(args) -> TrainConfig:
 def run(args) -> None:
     if getattr(args, "dry_run", False):
         from seekforge.parallel.materialize import dry_run
+        from seekforge.train.pretrain import run_model
 
         cfg = config_from_args(args)
-        print(dry_run(cfg.model_config(), cfg.parallel_config()))
+        model_cfg, _, _ = run_model(cfg)  # the model the run would train: the tokenizer's vocab, or the resumed one
+        print(dry_run(model_cfg, cfg.parallel_config()))
         return
     from seekforge.train.pretrain import pretrain  # torch.distributed, data and model: only when it runs
 

@@ -1,10 +1,5 @@
-"""Model FLOPs per token and a measured matmul peak, for MFU (PaLM appendix B convention).
-
-Training FLOPs per token = 6 · (activated matmul parameters) + attention, where the attention term
-per layer is 6 · T · nh · (qk_head_dim + v_head_dim): QKᵀ and PV, forward (2 FLOPs per MAC) plus
-backward (twice that). Causality is not discounted (as in torchtitan and PaLM), and recompute is not
-counted: MFU measures useful model work, not the hardware's total.
-"""
+"""A measured matmul peak and model FLOPs utilization. The model's FLOPs per token (PaLM appendix B
+convention) are config/sizes.py's `flops_per_token`, re-exported here for MFU's callers."""
 
 from __future__ import annotations
 
@@ -12,28 +7,9 @@ import time
 
 import torch
 
-from seekforge.config import ModelConfig
+from seekforge.config.sizes import flops_per_token
 
-
-def activated_matmul_params(cfg: ModelConfig) -> int:
-    """Parameters one token multiplies through: main model + MTP modules, routed experts counted
-    K of E, the embedding table excluded (a lookup), the output head counted once per head call."""
-    counts = cfg.num_params()
-    h, v = cfg.hidden_size, cfg.vocab_size
-    main = counts["active"] - v * h  # drop the embedding lookup; keeps lm_head
-    mtp_total = counts["mtp"]
-    if cfg.n_routed_experts and cfg.num_nextn_predict_layers:
-        inactive = (cfg.n_routed_experts - cfg.num_experts_per_tok) * 3 * h * cfg.moe_intermediate_size
-        mtp_total -= cfg.num_nextn_predict_layers * inactive
-    mtp_head_calls = cfg.num_nextn_predict_layers * v * h  # each MTP depth runs the shared head
-    return main + mtp_total + mtp_head_calls
-
-
-def flops_per_token(cfg: ModelConfig, seq_len: int, with_mtp: bool = True) -> float:
-    layers = cfg.num_hidden_layers + (cfg.num_nextn_predict_layers if with_mtp else 0)
-    params = activated_matmul_params(cfg) if with_mtp else cfg.num_params()["active"] - cfg.vocab_size * cfg.hidden_size
-    attention = 6 * layers * seq_len * cfg.num_attention_heads * (cfg.qk_head_dim + cfg.v_head_dim)
-    return 6 * params + attention
+__all__ = ["flops_per_token", "measure_peak_flops", "model_flops_utilization"]
 
 
 def measure_peak_flops(dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",

@@ -32,7 +32,7 @@ from seekforge.model.hf import save_hf
 from seekforge.model.load import check_tokenizer_fits, load_model
 from seekforge.model.model import Transformer, build_model
 from seekforge.model.precision import resolve_dtype
-from seekforge.model.tokenizer import load_tokenizer
+from seekforge.model.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from seekforge.parallel.mesh import build_mesh, init_distributed
 from seekforge.parallel.parallelize import parallelize
 from seekforge.train.checkpoint import latest_checkpoint, step_dirs
@@ -42,17 +42,34 @@ from seekforge.train.optim import lr_at
 from seekforge.train.trainer import Trainer, prepare_model
 
 
-def resolve_model_config(cfg: TrainConfig, tokenizer) -> ModelConfig:
-    """The preset (+ model overrides) with vocab_size = the tokenizer's, rounded up to a multiple
-    of 64 (aligned matmul shapes; the extra rows are never targets), and the tokenizer's BOS/EOS ids
-    (the export's config.json and generation_config.json carry them). An explicit model.vocab_size
-    wins; resuming a run uses the config stored in its checkpoint instead."""
+def run_model(cfg: TrainConfig) -> tuple[ModelConfig, ByteTokenizer | HFTokenizer, Path | None]:
+    """The model a run trains, its tokenizer, and the checkpoint it resumes from (None: a new run): the one place
+    pretrain's ModelConfig is assembled (`pretrain` and its --dry-run both call it).
+
+    A resumed run keeps its own model, the checkpoint's config.json; the tokenizer must fit it, and every model key
+    this config sets must agree with it. A new run: the preset with the `model` overrides (TrainConfig.model_config),
+    vocab_size the tokenizer's rounded up to a multiple of 64 (aligned matmul shapes; the extra rows are never
+    targets) and the tokenizer's BOS/EOS ids (the export's config.json and generation_config.json carry them),
+    each unless the `model` overrides set it."""
+    tokenizer = load_tokenizer(cfg.tokenizer)
+    latest = latest_checkpoint(Path(cfg.out_dir) / "checkpoints", cfg.checkpoint_fallback) if cfg.resume else None
+    if latest is not None and (latest / "config.json").exists():
+        model_cfg = ModelConfig.from_hf(latest)
+        check_tokenizer_fits(tokenizer, model_cfg, cfg.tokenizer, latest / "config.json")
+        changed = {key: value for key, value in cfg.model.items() if getattr(model_cfg, key, value) != value}
+        if changed:
+            raise UserError(
+                f"{cfg.out_dir} holds a run whose model has "
+                f"{', '.join(f'{k}={getattr(model_cfg, k)!r}' for k in changed)} ({latest.name}); this config asks "
+                f"for {', '.join(f'{k}={v!r}' for k, v in changed.items())}. A resumed run keeps its model: drop "
+                "those model settings, or start a new run (--no-resume, or another --out-dir)")
+        return model_cfg, tokenizer, latest
     special = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
     model_cfg = cfg.model_config() if "vocab_size" in cfg.model else cfg.model_config(
         vocab_size=64 * math.ceil(tokenizer.vocab_size / 64))
     if tokenizer.vocab_size > model_cfg.vocab_size:  # only an explicit model.vocab_size can be too small
         check_tokenizer_fits(tokenizer, model_cfg, cfg.tokenizer, "model.vocab_size")
-    return model_cfg.replace(**{k: v for k, v in special.items() if k not in cfg.model})
+    return model_cfg.replace(**{k: v for k, v in special.items() if k not in cfg.model}), tokenizer, latest
 
 
 def available_memory(device: torch.device) -> int | None:
@@ -144,19 +161,7 @@ def pretrain(cfg: TrainConfig) -> list[dict]:
     (rank 0's view under torchrun)."""
     out_dir = Path(cfg.out_dir)
     torch.manual_seed(cfg.seed)
-    tokenizer = load_tokenizer(cfg.tokenizer)
-    model_cfg = resolve_model_config(cfg, tokenizer)
-    latest = latest_checkpoint(out_dir / "checkpoints", cfg.checkpoint_fallback) if cfg.resume else None
-    if latest is not None and (latest / "config.json").exists():
-        model_cfg = ModelConfig.from_hf(latest)
-        check_tokenizer_fits(tokenizer, model_cfg, cfg.tokenizer, latest / "config.json")
-        changed = {key: value for key, value in cfg.model.items() if getattr(model_cfg, key, value) != value}
-        if changed:
-            raise UserError(
-                f"{out_dir} holds a run whose model has {', '.join(f'{k}={getattr(model_cfg, k)!r}' for k in changed)} "
-                f"({latest.name}); this config asks for {', '.join(f'{k}={v!r}' for k, v in changed.items())}. A "
-                "resumed run keeps its model: drop those model settings, or start a new run (--no-resume, or "
-                "another --out-dir)")
+    model_cfg, tokenizer, latest = run_model(cfg)
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     pc = parallel_layout(cfg, model_cfg, world_size)
     check_fits(model_cfg, world_size, torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()

@@ -22,6 +22,7 @@ from seekforge.model.hf import (
     save_hf,
 )
 from seekforge.model.model import build_model
+from seekforge.model.rope import softmax_scale
 
 transformers = pytest.importorskip("transformers")
 
@@ -104,7 +105,7 @@ def test_transformers_checkpoint_loads_with_same_logits(tmp_path, case):
 @pytest.mark.parametrize("q_lora_rank", [16, None])
 def test_seekforge_checkpoint_loads_in_transformers(tmp_path, q_lora_rank):
     cfg = seekforge_config(q_lora_rank=q_lora_rank, rope_interleave=q_lora_rank is None)
-    assert cfg.softmax_scale != cfg.qk_head_dim**-0.5  # YaRN's mscale_all_dim is in play
+    assert softmax_scale(cfg) != cfg.qk_head_dim**-0.5  # YaRN's mscale_all_dim is in play
     model = randomize_(build_model(cfg)).eval()
     save_hf(model, tmp_path)
     reference = transformers.DeepseekV3ForCausalLM.from_pretrained(

@@ -221,3 +221,21 @@ def test_a_new_snippet_in_a_finished_runs_directory_says_pass_name(tmp_path, cap
     main(["pretrain", "--preset", "small", "--dry-run"])  # resumes nothing: no run to refuse
     main(["pretrain", *quick, "--preset", "small", "--name", "small", "--set", "model.num_hidden_layers=1"])
     assert latest_checkpoint(tmp_path / "runs" / "small" / "checkpoints").name == "step_000001"
+
+
+def test_the_dry_run_describes_the_model_the_run_trains(tmp_path, capsys):
+    """--dry-run sizes the model through the same function as the run (train/pretrain.run_model): a new run's
+    vocab is its tokenizer's (byte: 320 rows, not the preset's 512), and a run to resume keeps its own model (here a
+    tiny one, not the default run's hidden 192)."""
+    from seekforge.config import ParallelConfig, preset
+    from seekforge.model.model import build_model
+    from seekforge.parallel.materialize import dry_run
+    from seekforge.train.checkpoint import save_checkpoint
+
+    layout = ParallelConfig(dp_shard=2)
+    main(["pretrain", "--dry-run", "--preset", "tiny", "--parallel", "dp_shard=2", "--out-dir", str(tmp_path / "new")])
+    assert capsys.readouterr().out == dry_run(preset("tiny", vocab_size=320, bos_token_id=256, eos_token_id=257),
+                                              layout) + "\n"
+    save_checkpoint(tmp_path / "run" / "checkpoints", 5, build_model(preset("tiny"), seed=3))
+    main(["pretrain", "--dry-run", "--parallel", "dp_shard=2", "--out-dir", str(tmp_path / "run")])
+    assert capsys.readouterr().out == dry_run(preset("tiny"), layout) + "\n"
