@@ -23,9 +23,12 @@ whose per-step forward counts differ between replicas or whose weights are not s
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
+import signal
+import threading
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -353,5 +356,24 @@ def start(name_or_path: str, tp: int, dp_attention: int, ep: int, dtype: torch.d
     rank_engine = build(name_or_path, tp, dp_attention, ep, dtype, config)
     if rank_engine.groups.rank == 0:
         return DistributedEngine(rank_engine)
-    rank_engine.follow_forever()
+    with _stopped_by_rank0():
+        rank_engine.follow_forever()
+    log.info("rank %d: stopped by rank 0", rank_engine.groups.rank)
     return None
+
+
+@contextlib.contextmanager
+def _stopped_by_rank0():
+    """A worker ignores SIGTERM and SIGINT while it follows: torchrun forwards a SIGTERM (and a terminal
+    its Ctrl-C) to every rank, and rank 0 answers it by draining its requests, which needs every rank's
+    steps, then stops the workers (DistributedEngine.shutdown). A worker that died at the signal would
+    crash rank 0's next broadcast instead. (torchrun SIGKILLs what is left after its --shutdown-timeout.)"""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield
+        return
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
