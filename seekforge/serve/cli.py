@@ -11,7 +11,7 @@ from pathlib import Path
 from seekforge.config import PRESETS
 from seekforge.model.precision import auto_dtype_help
 from seekforge.serve import limits
-from seekforge.serve.engine import AsyncEngine
+from seekforge.serve.async_engine import AsyncEngine
 from seekforge.serve.server import build_app
 
 log = logging.getLogger("seekforge.serve")

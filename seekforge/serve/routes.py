@@ -16,7 +16,8 @@ from fastapi.responses import Response
 
 from seekforge.probe.trace import OnDemandTracer
 from seekforge.serve.api_errors import APIError
-from seekforge.serve.engine import AsyncEngine, LLMEngine, chat_prompt_ids
+from seekforge.serve.async_engine import AsyncEngine
+from seekforge.serve.engine import LLMEngine, chat_prompt_ids
 from seekforge.serve.metrics import ServerMetrics
 from seekforge.serve.openai_format import ChatChoices, CompletionChoices, piece, usage, vllm_prompt_logprobs
 from seekforge.serve.protocol import (

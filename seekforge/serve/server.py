@@ -21,7 +21,7 @@ from fastapi import FastAPI
 
 from seekforge.probe.trace import OnDemandTracer, StepTimer
 from seekforge.serve.api_errors import install_error_handlers
-from seekforge.serve.engine import AsyncEngine
+from seekforge.serve.async_engine import AsyncEngine
 from seekforge.serve.metrics import ServerMetrics
 from seekforge.serve.routes import ServerState, router
 
