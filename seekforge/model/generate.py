@@ -94,12 +94,13 @@ def add_arguments(p):
     p.add_argument("--prompt", default="Once upon a time", help="text to continue")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate, at most (an EOS stops sooner)")
+    # the sampling settings, checked as the server checks a request's (check_sampling)
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature, >= 0; 0 = greedy")
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens; 0 = off")
-    p.add_argument("--top-p", type=float, default=1.0,
-                   help="sample from the most likely tokens whose probabilities reach p, in (0, 1]; 1.0 = off")
-    p.add_argument("--seed", type=int, default=None,
-                   help="seed of the draw, for repeatable sampling (None: a fresh draw each run)")
+    p.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of tokens whose "
+                   "probabilities reach p, in (0, 1]; 1.0 = off")
+    p.add_argument("--seed", type=int, default=None, help="seed of the draw, for repeatable sampling (None: a "
+                   "fresh draw each run)")
     p.add_argument("--dtype", choices=["auto", "bf16", "fp32", "bfloat16", "float32"], default="auto",
                    help=f"auto: {auto_dtype_help()}")
 
