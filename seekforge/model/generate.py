@@ -5,20 +5,46 @@ Also the `seekforge generate --model DIR_OR_PRESET --prompt ...` verb (add_argum
 
 from __future__ import annotations
 
+import math
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 
+from seekforge.errors import InvalidSetting
 from seekforge.model.load import load_model, model_width
 from seekforge.model.model import LatentCache, Transformer
 from seekforge.model.precision import auto_dtype_help, resolve_dtype
 
+GREEDY_BELOW = 1e-5  # temperatures below this sample greedily
+
+
+def check_sampling(temperature: float, top_k: int | None, top_p: float, min_p: float = 0.0,
+                   spell: Callable[[str], str] = str) -> None:
+    """The sampling settings' ranges, the one check for the server's SamplingParams and `generate`'s
+    flags: InvalidSetting names the setting (the server's 400 reports it as `param`); `spell` writes
+    its name as the user gave it (a request field, a flag). top_k -1 is vLLM's spelling of off."""
+
+    def bad(key, value, expected):
+        raise InvalidSetting(key, f"{spell(key)}={value!r}: {expected}")
+
+    if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < -1):
+        bad("top_k", top_k, "must be an integer >= 1, or 0 / -1 for off")
+    # the comparisons below are written so that NaN fails them
+    if not 0 <= temperature < math.inf:
+        bad("temperature", temperature, "must be a finite number >= 0 (0 is greedy)")
+    if not 0 < top_p <= 1:
+        bad("top_p", top_p, "must be in (0, 1]")
+    if not 0 <= min_p <= 1:
+        bad("min_p", min_p, "must be in [0, 1]")
+
 
 def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                 generator: torch.Generator | None = None) -> torch.Tensor:
-    """logits (B, V) → next ids (B,). temperature 0 is greedy; top-k then top-p (nucleus) filtering."""
-    if temperature <= 0:
+    """logits (B, V) → next ids (B,). temperature 0 (below GREEDY_BELOW) is greedy; top-k then top-p
+    (nucleus) filtering."""
+    if temperature < GREEDY_BELOW:
         return logits.argmax(dim=-1)
     logits = logits.float() / temperature
     if top_k > 0:
@@ -42,6 +68,7 @@ def generate(model: Transformer, prompt_ids: list[int], max_new_tokens: int = 32
     Returns only the new token ids (a stop token, if hit, included)."""
     if not prompt_ids:
         raise ValueError("the prompt is empty; give at least one token")
+    check_sampling(temperature, top_k, top_p)
     cfg = model.cfg
     total = len(prompt_ids) + max_new_tokens
     if total > cfg.max_position_embeddings:
@@ -66,11 +93,14 @@ def add_arguments(p):
     p.add_argument("--model", default="tiny", help="preset name or HF-format checkpoint directory")
     p.add_argument("--prompt", default="Once upon a time", help="text to continue")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate, at most (an EOS stops sooner)")
+    # the sampling settings, checked as the server checks a request's (check_sampling)
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature, >= 0; 0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens; 0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of tokens whose "
+                   "probabilities reach p, in (0, 1]; 1.0 = off")
+    p.add_argument("--seed", type=int, default=None, help="seed of the draw, for repeatable sampling (None: a "
+                   "fresh draw each run)")
     p.add_argument("--dtype", choices=["auto", "bf16", "fp32", "bfloat16", "float32"], default="auto",
                    help=f"auto: {auto_dtype_help()}")
 
@@ -78,6 +108,7 @@ def add_arguments(p):
 def run(args):
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens={args.max_new_tokens}; give at least 1")
+    check_sampling(args.temperature, args.top_k, args.top_p, spell=lambda key: "--" + key.replace("_", "-"))
     dtype, why = resolve_dtype(args.dtype, hidden_size=model_width(args.model))
     print(f"dtype: {why}", file=sys.stderr)  # stdout carries the text alone
     model, tok = load_model(args.model, dtype)

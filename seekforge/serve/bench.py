@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from seekforge.errors import UserError
+
 
 @dataclass
 class RequestResult:
@@ -202,3 +204,6 @@ def run(args):
     if args.result_json:
         with open(args.result_json, "w") as f:
             json.dump(summary, f, indent=2)
+    if summary["completed"] == 0:  # nothing was measured: a script must not read the zeros as a result
+        raise UserError(f"every request failed ({summary['failed']} of {summary['failed']}): "
+                        f"{summary['errors'][0]}; fix that (see the server's log) and rerun")

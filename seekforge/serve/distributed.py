@@ -23,9 +23,12 @@ whose per-step forward counts differ between replicas or whose weights are not s
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
+import signal
+import threading
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -35,8 +38,9 @@ import torch.distributed as dist
 
 from seekforge.config import PRESETS, EngineConfig
 from seekforge.serve.engine import CompletionOutput, LLMEngine, Request, RequestOutput, drain
-from seekforge.serve.runner import Chunk, Runner, num_kv_blocks
+from seekforge.serve.runner import num_kv_blocks
 from seekforge.serve.sequence import SamplingParams
+from seekforge.serve.sharded_runner import ShardedRunner
 
 log = logging.getLogger("seekforge.serve")
 
@@ -53,60 +57,6 @@ class Commands:
     aborts: list[tuple[int, str]] = field(default_factory=list)  # (replica, request id)
     reset_prefix_cache: bool = False
     stop: bool = False
-
-
-@dataclass
-class _BlockTable:
-    """What Runner.prepare reads of a chunk's sequence, for a TP rank that holds no Sequence objects."""
-
-    block_table: list[int]
-    seq_id: int  # the leader's: the dense decode rows (kv_cache.DenseRows) follow it on every rank
-    lora: None = None
-
-
-class ShardedRunner(Runner):
-    """A Runner on one rank of a TP group. The leader announces each forward (or the idle batch) to the
-    group's other ranks, which `follow` it."""
-
-    def __init__(self, model, config: EngineConfig, num_blocks: int, groups):
-        super().__init__(model, config, num_blocks)
-        self.groups = groups
-        self.ran = False  # did the leader's engine step run the model?
-
-    def _announce(self, message):
-        if self.groups.tp == 1:
-            return message
-        box = [message]
-        dist.broadcast_object_list(box, src=self.groups.leader, group=self.groups.tp_group)
-        return box[0]
-
-    def execute(self, chunks: list[Chunk], head_rows: list[int]) -> torch.Tensor:
-        self.ran = True
-        self._announce(("run", [(c.start, c.token_ids, list(c.seq.block_table), c.seq.seq_id, c.decode)
-                                for c in chunks], head_rows))
-        return super().execute(chunks, head_rows)
-
-    def idle(self) -> None:
-        self._announce(("idle",))
-        self._dummy_forward()
-
-    @torch.inference_mode()
-    def follow(self) -> None:
-        """A non-leader TP rank: run what the leader announces (same chunks, same block ids: every TP
-        rank keeps the whole latent cache, see parallel/serving.py)."""
-        message = self._announce(None)
-        if message[0] == "idle":
-            self._dummy_forward()
-            return
-        _, plan, head_rows = message
-        chunks = [Chunk(_BlockTable(table, seq_id), start, ids, decode) for start, ids, table, seq_id, decode in plan]
-        super().execute(chunks, head_rows)
-
-    @torch.inference_mode()
-    def _dummy_forward(self) -> None:
-        """One token through every layer without a cache: no KV state changes, the collectives run."""
-        ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
-        self.model.hidden(ids, positions=torch.zeros(1, dtype=torch.long, device=self.device))
 
 
 class RankEngine:
@@ -340,5 +290,24 @@ def start(name_or_path: str, tp: int, dp_attention: int, ep: int, dtype: torch.d
     rank_engine = build(name_or_path, tp, dp_attention, ep, dtype, config)
     if rank_engine.groups.rank == 0:
         return DistributedEngine(rank_engine)
-    rank_engine.follow_forever()
+    with _stopped_by_rank0():
+        rank_engine.follow_forever()
+    log.info("rank %d: stopped by rank 0", rank_engine.groups.rank)
     return None
+
+
+@contextlib.contextmanager
+def _stopped_by_rank0():
+    """A worker ignores SIGTERM and SIGINT while it follows: torchrun forwards a SIGTERM (and a terminal
+    its Ctrl-C) to every rank, and rank 0 answers it by draining its requests, which needs every rank's
+    steps, then stops the workers (DistributedEngine.shutdown). A worker that died at the signal would
+    crash rank 0's next broadcast instead. (torchrun SIGKILLs what is left after its --shutdown-timeout.)"""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield
+        return
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

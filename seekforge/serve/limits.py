@@ -14,7 +14,7 @@ middleware in front of the OpenAI app (server.py), so that no endpoint has to re
   blocks, as a client disconnect does). uvicorn then exits 0.
 
 A pure ASGI middleware, not BaseHTTPMiddleware: that one wraps `receive` so that the app never sees
-a client disconnect (server.py's comment on require_key).
+a client disconnect (routes.py's comment on require_key).
 """
 
 from __future__ import annotations

@@ -318,7 +318,7 @@ class Runner:
 
     def execute(self, chunks: list[Chunk], head_rows: list[int]) -> torch.Tensor:
         """The main model over `chunks`, then the head on flat rows `head_rows` → fp32 logits (R, V).
-        The seam serve/distributed.py's ShardedRunner mirrors on the other ranks of a TP group."""
+        The seam serve/sharded_runner.py's ShardedRunner mirrors on the other ranks of a TP group."""
         hidden, _, logits = self._forward(chunks)
         if logits is not None and head_rows == list(range(logits.shape[0])):  # a plain decode step: every row
             return logits

@@ -17,9 +17,8 @@ from dataclasses import dataclass, field
 import torch
 
 from seekforge.errors import InvalidSetting
+from seekforge.model.generate import GREEDY_BELOW, check_sampling
 from seekforge.serve.structured import StructuredOutput
-
-GREEDY_BELOW = 1e-5  # temperatures below this sample greedily
 
 
 @dataclass
@@ -58,8 +57,7 @@ class SamplingParams:
         def integer(value) -> bool:
             return isinstance(value, int) and not isinstance(value, bool)
 
-        if self.top_k is not None and (not integer(self.top_k) or self.top_k < -1):
-            bad("top_k", "must be an integer >= 1, or 0 / -1 for off")
+        check_sampling(self.temperature, self.top_k, self.top_p, self.min_p)
         if self.top_k is None or self.top_k < 0:  # vLLM spells "off" as -1
             self.top_k = 0
         if not integer(self.n) or self.n < 1:
@@ -69,12 +67,6 @@ class SamplingParams:
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
             bad("min_tokens", "must be in [0, max_tokens]")
         # the comparisons below are written so that NaN fails them
-        if not 0 <= self.temperature < math.inf:
-            bad("temperature", "must be a finite number >= 0 (0 is greedy)")
-        if not 0 < self.top_p <= 1:
-            bad("top_p", "must be in (0, 1]")
-        if not 0 <= self.min_p <= 1:
-            bad("min_p", "must be in [0, 1]")
         if not 0 < self.repetition_penalty < math.inf:
             bad("repetition_penalty", "must be a finite number > 0 (1 is off)")
         if self.seed is not None and (not integer(self.seed) or not -(2**63) <= self.seed < 2**63):

@@ -5,6 +5,8 @@ checkpoint; a layout that cannot work fails before any weight is read, with the 
 from __future__ import annotations
 
 import os
+import re
+import signal
 import subprocess
 import sys
 import time
@@ -70,32 +72,41 @@ def _assert_same(got, want):
             assert g == w
 
 
-def test_openai_client_against_torchrun_tp2(checkpoint):
-    port = free_port()
+def _torchrun_serve(checkpoint, port: int, output) -> subprocess.Popen:
+    """`torchrun --nproc-per-node 2 -m seekforge serve --tp 2` on `port`, once /health answers."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
                "seekforge", "serve", "--model", str(checkpoint), "--served-model-name", "tiny", "--tp", "2",
                "--port", str(port), "--threads", "1", *ENGINE_ARGS]
-    server = subprocess.Popen(command, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True)
-    try:
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 300
-        while True:
-            assert server.poll() is None, f"torchrun exited early:\n{server.stdout.read()}"
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the torchrun server did not come up"
-            time.sleep(0.5)
-        got = _queries(openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=120))
-    finally:
-        server.terminate()
+    server = subprocess.Popen(command, cwd=ROOT, env=_env(), stdout=output, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 300
+    while True:
+        if server.poll() is not None:
+            raise AssertionError("torchrun exited early" + (f":\n{server.stdout.read()}" if server.stdout else ""))
         try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "the torchrun server did not come up"
+        time.sleep(0.5)
+
+
+def _stop(server: subprocess.Popen) -> None:
+    server.terminate()
+    try:
+        server.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        server.kill()
+
+
+def test_openai_client_against_torchrun_tp2(checkpoint):
+    port = free_port()
+    server = _torchrun_serve(checkpoint, port, subprocess.PIPE)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=120)
+        got = _queries(client)
+    finally:
+        _stop(server)
     torch.set_num_threads(1)
     model, tokenizer = load_model(str(checkpoint), torch.float32)
     with serving(model, tokenizer, ENGINE) as single:
@@ -120,3 +131,32 @@ def test_bad_layout_fails_before_building(monkeypatch, capsys, world, flags, mes
     with pytest.raises(SystemExit) as exit_:
         cli.main(["serve", "--model", "tiny", *flags])
     assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_sigterm_to_torchrun_drains_then_every_rank_exits(checkpoint, tmp_path):
+    """torchrun forwards a SIGTERM to every rank. Rank 0 drains (the request in flight runs to its
+    end), then stops the worker, which waited for it instead of dying at the signal and crashing rank
+    0's next broadcast (issue 41, bug 6). A SIGTERM to rank 0 alone drains the same way, and then
+    torchrun itself exits 0: every rank did."""
+    for target in ("torchrun", "rank 0"):
+        port, log_path = free_port(), tmp_path / f"{target}.log"
+        with open(log_path, "w") as log:
+            server = _torchrun_serve(checkpoint, port, log)
+            try:
+                body = {"model": "tiny", "prompt": "hi", "max_tokens": 200, "ignore_eos": True, "stream": True}
+                with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120) as r:
+                    lines = r.iter_lines()
+                    first = next(line for line in lines if line.startswith("data: {"))
+                    rank0 = int(re.search(r"Started server process \[(\d+)\]", log_path.read_text()).group(1))
+                    os.kill(server.pid if target == "torchrun" else rank0, signal.SIGTERM)
+                    chunks = [first, *(line for line in lines if line.startswith("data: "))]
+                returncode = server.wait(timeout=120)
+            finally:
+                _stop(server)
+        output = log_path.read_text()
+        assert chunks[-1] == "data: [DONE]" and '"finish_reason": "length"' in chunks[-2], (target, chunks[-3:])
+        assert len(chunks) == 1 + 200, target  # one chunk per token, then [DONE]
+        assert "rank 1: stopped by rank 0" in output, output
+        assert not re.search(r"\[rank\d\]:.*(Traceback|Error)", output), output
+        if target == "rank 0":
+            assert returncode == 0, output

@@ -25,7 +25,8 @@ from .soak import soak
 
 @contextlib.contextmanager
 def guarded_server(model, tokenizer, limits: ServerLimits, **engine):
-    from seekforge.serve.engine import AsyncEngine, LLMEngine
+    from seekforge.serve.async_engine import AsyncEngine
+    from seekforge.serve.engine import LLMEngine
     from seekforge.serve.server import build_app
 
     async_engine = AsyncEngine(LLMEngine(model, tokenizer, EngineConfig(num_kv_blocks=256, block_size=8, **engine)))

@@ -125,7 +125,8 @@ def test_pretrain_traces_on_request_and_keeps_training(tmp_path):
 
 
 def test_serve_traces_on_request_and_keeps_serving(tmp_path):
-    from seekforge.serve.engine import AsyncEngine, LLMEngine
+    from seekforge.serve.async_engine import AsyncEngine
+    from seekforge.serve.engine import LLMEngine
     from seekforge.serve.server import build_app
 
     engine = AsyncEngine(LLMEngine(build_model(preset("tiny"), seed=0).eval(), load_tokenizer("byte"),

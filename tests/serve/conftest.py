@@ -59,7 +59,8 @@ class LiveServer:
 @contextlib.contextmanager
 def serving(model, tokenizer, config: EngineConfig, api_key: str | None = None):
     """A live server (model name "tiny") over a fresh engine; `.engine` is its AsyncEngine."""
-    from seekforge.serve.engine import AsyncEngine, LLMEngine
+    from seekforge.serve.async_engine import AsyncEngine
+    from seekforge.serve.engine import LLMEngine
     from seekforge.serve.server import build_app
 
     engine = AsyncEngine(LLMEngine(model, tokenizer, config))

@@ -64,3 +64,16 @@ def test_bench_serve_against_live_server(small_cache_server):
     assert summary["completed"] == 12 and summary["failed"] == 0
     assert summary["total_output_tokens"] == 48
     assert summary["ttft_ms"]["mean"] > 0 and summary["output_token_throughput"] > 0
+
+
+def test_bench_serve_fails_when_every_request_fails(small_cache_server, capsys):
+    """A benchmark of nothing is no result: `bench serve` ends with an error (exit 2) naming the failure,
+    not exit 0 under a table of zeros (issue 41, bug 7)."""
+    from seekforge.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "serve", "--base-url", small_cache_server.base_url, "--model", "no-such-model",
+              "--num-prompts", "3", "--input-len", "4", "--output-len", "2"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "every request failed (3 of 3)" in err and "HTTP 404" in err and "Traceback" not in err, err

@@ -186,7 +186,7 @@ def test_load_unload_through_the_server_under_load(setup, byte_tokenizer):
 def test_serve_flags():
     import argparse
 
-    from seekforge.serve.server import add_arguments, engine_config_from_args, parse_lora_modules
+    from seekforge.serve.cli import add_arguments, engine_config_from_args, parse_lora_modules
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
