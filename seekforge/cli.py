@@ -47,7 +47,7 @@ def verb_module(verb: str) -> ModuleType:
         case "checkpoint":
             from seekforge.train import checkpoint_cli as module
         case "serve":
-            from seekforge.serve import server as module
+            from seekforge.serve import cli as module
         case "bench":
             from seekforge.serve import bench as module
         case "plan":

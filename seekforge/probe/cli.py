@@ -37,11 +37,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d.add_argument("--impl", choices=["seekforge", "transformers"], default="seekforge",
                    help="which implementation runs the checkpoint (transformers needs a directory)")
     d.add_argument("--config", help="probe config YAML; its `dump` table replaces the flags below")
-    d.add_argument("--mode", default="tensor", choices=["statistics", "tensor", "md5"])
+    d.add_argument("--mode", default="tensor", choices=["statistics", "tensor", "md5"],
+                   help="what each call records: summary statistics, the tensors themselves, or their md5")
     d.add_argument("--modules", nargs="+", default=["*"], help="fnmatch patterns or re:REGEX over module names")
     d.add_argument("--no-backward", action="store_true", help="forward only")
-    d.add_argument("--batch-size", type=int, default=2)
-    d.add_argument("--seq-len", type=int, default=32)
+    d.add_argument("--batch-size", type=int, default=2, help="sequences in the dumped batch")
+    d.add_argument("--seq-len", type=int, default=32, help="tokens per sequence in the dumped batch")
     d.add_argument("--seed", type=int, default=0, help="the token ids and the loss weights")
     d.add_argument("--out", default="probe_dump", help="dump root (writes OUT/step0/rank0)")
 
@@ -51,7 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         c.add_argument("dump_a", help="dump under test (a dump directory or a root holding one)")
         c.add_argument("dump_b", help="reference dump")
         c.add_argument("--mapping", help="module-name mapping YAML, or a shipped one: transformers_deepseek_v3")
-        c.add_argument("--min-cosine", type=float, default=0.9999)
+        c.add_argument("--min-cosine", type=float, default=0.9999,
+                       help="a tensor passes when its cosine similarity to the reference is at least this")
         c.add_argument("--atol-ratio", type=float, default=1e-3, help="max |a-b| allowed / max |b|")
         c.add_argument("--html", default="probe_report.html" if name == "report" else None, help="HTML report path")
         if name == "compare":
@@ -61,7 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     where = t.add_mutually_exclusive_group(required=True)
     where.add_argument("--url", help="the metrics port of pretrain or the serve address, e.g. http://127.0.0.1:8000")
     where.add_argument("--run-dir", help="a pretrain OUT_DIR: touch its probe/trace_request trigger file")
-    t.add_argument("--steps", type=int, default=3)
+    t.add_argument("--steps", type=int, default=3, help="how many of the next steps the trace covers")
 
 
 def run(args) -> None:

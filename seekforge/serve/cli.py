@@ -123,9 +123,9 @@ def serve_engine(core, args) -> None:
     engine = AsyncEngine(core)
     app = build_app(engine, args.served_model_name or args.model, args.api_key, args.trace_dir)
     app.state.serve.tracer.install_signal()
-    # By now ~620k objects are alive (the compiled programs, the pools' block records), and a full collection of
-    # them took 0.5-1.0 s on 2 cores: a pause in every stream it lands on. Frozen, the collector passes over them,
-    # as vLLM does after its startup; what serving allocates later is collected as usual.
+    # By now hundreds of thousands of objects are alive (the compiled programs, the pools' block records), and a full
+    # collection of them stalls every stream it lands on, far longer than a decode step. Frozen, the collector passes
+    # over them, as vLLM does after its startup; what serving allocates later is collected as usual.
     gc.collect()
     gc.freeze()
     try:
