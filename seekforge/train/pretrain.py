@@ -177,7 +177,8 @@ def pretrain(cfg: TrainConfig) -> list[dict]:
             dist.destroy_process_group()
 
 
-def _train(cfg: TrainConfig, pc: ParallelConfig | None, model_cfg: ModelConfig, tokenizer, latest, out_dir: Path):
+def _train(cfg: TrainConfig, pc: ParallelConfig | None, model_cfg: ModelConfig, tokenizer, latest,
+           out_dir: Path) -> list[dict]:
     is_main = pc is None or dist.get_rank() == 0
     say = print if is_main else (lambda *a, **k: None)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -215,6 +216,27 @@ def _train(cfg: TrainConfig, pc: ParallelConfig | None, model_cfg: ModelConfig, 
     if pc is not None:
         dist.barrier()  # the fresh-start cleanup is done before any rank saves
 
+    _describe(cfg, pc, model_cfg, trainer, compute_dtype, device, baseline, latest, say)
+    start = time.perf_counter()
+    history = trainer.fit()
+    elapsed = time.perf_counter() - start
+    if history:
+        last = history[-1]
+        final = f"lm loss {last['lm_loss']:.3f}" if "lm_loss" in last else f"loss {last['loss']:.3f}"
+        say(f"done: {len(history)} steps in {elapsed:.0f}s; final {final}, "
+            f"eval loss {last.get('eval_loss', float('nan')):.3f} vs unigram entropy {baseline:.3f} nats/token")
+    else:
+        say(f"nothing to train: {out_dir} already holds step {trainer.step}/{cfg.steps} (--no-resume restarts)")
+    say(f"metrics: {out_dir / 'metrics.jsonl'}, tensorboard: {out_dir / 'tensorboard'}, plot: {out_dir / 'loss.png'}")
+
+    if cfg.export_hf or cfg.sample_prompt:
+        _export_and_sample(cfg, model, model_cfg, mesh, tokenizer, out_dir / "hf", is_main)
+    return history
+
+
+def _describe(cfg: TrainConfig, pc: ParallelConfig | None, model_cfg: ModelConfig, trainer: Trainer, compute_dtype,
+              device, baseline: float, latest, say) -> None:
+    """The run's opening lines: model, layout, data and throughput basis, baseline, warnings."""
     counts = model_cfg.num_params()
     say(f"model: preset {cfg.preset}, {counts['total'] / 1e6:.1f}M params ({counts['active'] / 1e6:.1f}M "
         f"activated, +{counts['mtp'] / 1e6:.1f}M MTP), vocab {model_cfg.vocab_size}, {model_cfg.num_hidden_layers} "
@@ -233,26 +255,16 @@ def _train(cfg: TrainConfig, pc: ParallelConfig | None, model_cfg: ModelConfig, 
     if latest is not None:
         say(f"resumed from {latest} at step {trainer.step}")
 
-    start = time.perf_counter()
-    history = trainer.fit()
-    elapsed = time.perf_counter() - start
-    if history:
-        last = history[-1]
-        final = f"lm loss {last['lm_loss']:.3f}" if "lm_loss" in last else f"loss {last['loss']:.3f}"
-        say(f"done: {len(history)} steps in {elapsed:.0f}s; final {final}, "
-            f"eval loss {last.get('eval_loss', float('nan')):.3f} vs unigram entropy {baseline:.3f} nats/token")
-    else:
-        say(f"nothing to train: {out_dir} already holds step {trainer.step}/{cfg.steps} (--no-resume restarts)")
-    say(f"metrics: {out_dir / 'metrics.jsonl'}, tensorboard: {out_dir / 'tensorboard'}, plot: {out_dir / 'loss.png'}")
 
-    if not (cfg.export_hf or cfg.sample_prompt):
-        return
-    plain = plain_copy(model, model_cfg, mesh)  # every rank takes part in the gather; rank 0 gets the weights
+def _export_and_sample(cfg: TrainConfig, model, model_cfg: ModelConfig, mesh, tokenizer, hf_dir: Path,
+                       is_main: bool) -> None:
+    """The HF export and the sample at the end of a run; a collective (every rank takes part in the gather)."""
+    plain = plain_copy(model, model_cfg, mesh)  # rank 0 gets the weights
     if not is_main:
         return
     sample_model = plain
     if cfg.export_hf:
-        hf_dir = export_hf(plain, tokenizer, out_dir / "hf")
+        export_hf(plain, tokenizer, hf_dir)
         sample_model, _ = load_model(str(hf_dir))  # sampling from the export also proves it loads
     if cfg.sample_prompt:
         print_sample(sample_model, tokenizer, cfg.sample_prompt)

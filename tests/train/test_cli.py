@@ -239,3 +239,15 @@ def test_the_dry_run_describes_the_model_the_run_trains(tmp_path, capsys):
     save_checkpoint(tmp_path / "run" / "checkpoints", 5, build_model(preset("tiny"), seed=3))
     main(["pretrain", "--dry-run", "--parallel", "dp_shard=2", "--out-dir", str(tmp_path / "run")])
     assert capsys.readouterr().out == dry_run(preset("tiny"), layout) + "\n"
+
+
+def test_pretrain_returns_the_metrics_of_each_step_it_ran(tmp_path):
+    """As its docstring says (it returned None): one record per step of this call, none on a rerun."""
+    from seekforge.config import TrainConfig
+    from seekforge.train.pretrain import pretrain
+
+    cfg = TrainConfig(preset="tiny", steps=2, seq_len=32, micro_batch_size=2, export_hf=False, sample_prompt="",
+                      peak_flops=1e11, out_dir=str(tmp_path / "run"))
+    history = pretrain(cfg)
+    assert len(history) == 2 and all(record["loss"] > 0 for record in history)
+    assert pretrain(cfg) == []  # resumed at step 2 of 2: nothing left to train
