@@ -114,6 +114,9 @@ class ParallelConfig:
             if getattr(model, key) % self.tp:
                 raise ValueError(f"tp={self.tp} does not divide {key}={getattr(model, key)}; "
                                  f"pick tp in {_divisors(getattr(model, key))}")
+        if self.ep > 1 and not (model.n_routed_experts and model.num_moe_layers):
+            raise ValueError(f"ep={self.ep} splits routed experts, but this model has none (n_routed_experts="
+                             f"{model.n_routed_experts}, {model.num_moe_layers} MoE layers); drop ep")
         if self.ep > 1 and model.n_routed_experts % self.ep:
             raise ValueError(f"ep={self.ep} does not divide n_routed_experts={model.n_routed_experts}; "
                              f"pick ep in {_divisors(model.n_routed_experts)}")

@@ -22,6 +22,12 @@ def test_layout_checks(layout, world, message):
         ParallelConfig(**layout).validate(world, model_config())
 
 
+def test_ep_on_a_model_without_routed_experts_is_refused():
+    dense = model_config().replace(first_k_dense_replace=3)  # every layer dense
+    with pytest.raises(ValueError, match=r"ep=2 splits routed experts, but this model has none"):
+        ParallelConfig(dp_shard=2, ep=2).validate(2, dense)
+
+
 @pytest.mark.parametrize("layout, message", [
     (dict(dp_shard=2, ep=4), r"ep=4 does not divide dp_shard=2"),
     (dict(pp_schedule="Zigzag"), r"pp_schedule='Zigzag': choose one of"),
