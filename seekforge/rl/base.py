@@ -97,7 +97,8 @@ def prepare_base(cfg: GRPOConfig, tokenizer, out_dir: Path, progress: bool = Tru
     slipping on the others."""
     from seekforge.model.hf import save_hf
     from seekforge.model.model import build_model
-    from seekforge.rl.trainer import PromptStream, held_out_accuracy
+    from seekforge.rl.data import PromptStream
+    from seekforge.rl.evaluate import held_out_accuracy
     from seekforge.train.trainer import Trainer
 
     hf_dir = out_dir / "hf"
