@@ -21,9 +21,12 @@ from pathlib import Path
 import yaml
 
 from seekforge.rl.config import GRPOConfig, config_to_dict, load_grpo_config
+from seekforge.rl.data import BUILTIN
 
 _FLAGS = [
     ("--base", "base", str, "HF checkpoint directory of the starting policy ('' = built-in base)"),
+    ("--data", "data", str, "prompts: builtin:arithmetic | a .jsonl file of {\"prompt\": ..., other columns} lines, "
+                            "the columns passed to the rewards (seekforge/rl/data.py)"),
     ("--steps", "steps", int, "GRPO iterations (rollout + update)"),
     ("--prompts-per-step", "prompts_per_step", int, "prompts per rollout batch"),
     ("--group-size", "group_size", int, "completions per prompt (G)"),
@@ -88,6 +91,9 @@ def run(args) -> None:
     from seekforge.parallel.mesh import init_distributed
 
     cfg = config_from_args(args)  # a bad config fails here, before anything is built
+    if not cfg.base and cfg.data != BUILTIN:
+        raise ValueError(f"data={cfg.data!r} needs --base: the built-in base model only knows the built-in arithmetic "
+                         "task; give an HF checkpoint directory that can answer your prompts")
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     built_in_base = Path(cfg.out_dir) / "base" / "hf"
     if world_size > 1 and not cfg.base and not (built_in_base / "config.json").exists():
@@ -144,7 +150,8 @@ def _grpo(cfg: GRPOConfig) -> None:
         dist.barrier()  # the fresh-start cleanup is done before any rank saves
     counts = policy.cfg.num_params()
     say(f"policy: {counts['total'] / 1e6:.2f}M params from {base}; {cfg.prompts_per_step} prompts x "
-        f"G={cfg.group_size} per step, {cfg.steps} steps, loss {cfg.loss_type}, beta {cfg.beta}, mu {cfg.mu}; "
+        f"G={cfg.group_size} per step from {cfg.data}, {cfg.steps} steps, loss {cfg.loss_type}, beta {cfg.beta}, "
+        f"mu {cfg.mu}; "
         f"rewards {dict(zip(cfg.rewards, cfg.reward_weights, strict=True))}"
         + (f"; {dist.get_world_size()} data-parallel ranks" if dist.is_initialized() else ""))
     say(f"compute dtype: {trainer.dtype_reason}")

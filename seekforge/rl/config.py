@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from seekforge.rl.algorithm import LOSS_TYPES
+from seekforge.rl.data import check_data_spec
 from seekforge.rl.rewards import resolve_reward
 from seekforge.train.config_file import parse_overrides, read_config_file
 
@@ -30,8 +31,12 @@ DEFAULT_BASE_MODEL = dict(hidden_size=128, num_hidden_layers=3, intermediate_siz
 class GRPOConfig:
     base: str = ""  # HF checkpoint directory of the starting policy; "": prepare the built-in base
     tokenizer: str = "byte"  # used with the built-in base; a given base brings its own
-    # ArithmeticTask levels of the prompts. Level 1 (20,000 questions) over level 2 (~950, so RL prompts
-    # repeat what the base memorized): +8 vs +5 held-out points from a 30%-36% base (BENCHMARKS.md, GRPO)
+    # The prompts (rl/data.py): builtin:arithmetic, or a .jsonl file of {"prompt": ..., other columns} lines
+    # whose columns reach the rewards; its held-out prompts (eval_prompts of them) are graded by rewards[0].
+    data: str = "builtin:arithmetic"
+    # builtin:arithmetic: the ArithmeticTask levels of the prompts. Level 1 (20,000 questions) over level 2
+    # (~950, so RL prompts repeat what the base memorized): +8 vs +5 held-out points from a 30%-36% base
+    # (BENCHMARKS.md, GRPO)
     task_levels: list[int] = field(default_factory=lambda: [1])
     rewards: list[str] = field(default_factory=lambda: ["arithmetic"])  # built-in names or module:function
     reward_weights: list[float] = field(default_factory=lambda: [1.0])
@@ -131,6 +136,7 @@ class GRPOConfig:
             bad("reward_weights", f"give one weight per reward ({len(self.rewards)} rewards: {self.rewards})")
         for spec in self.rewards:
             resolve_reward(spec)  # an unknown name fails here, before anything is built
+        check_data_spec(self.data)
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(GRPOConfig)}

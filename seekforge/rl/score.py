@@ -13,6 +13,7 @@ import torch
 
 from seekforge.rl.algorithm import group_advantages
 from seekforge.rl.collectives import all_groups
+from seekforge.rl.data import Sample
 from seekforge.rl.rewards import RewardSet
 
 
@@ -26,14 +27,14 @@ class ScoredBatch:
     metrics: dict[str, float]  # each reward's mean, reward_errors, and the reward statistics below
 
 
-def score_groups(rewards: RewardSet, tokenizer, samples: list[tuple[str, str]], mine: list[int],
-                 local: list[list[int]], group_size: int, scale_rewards: bool) -> ScoredBatch:
-    """samples: the step's (prompt, answer) pairs; mine, local: this rank's prompt indices and their
-    completions (rl/rollout.sample_groups)."""
+def score_groups(rewards: RewardSet, tokenizer, samples: list[Sample], mine: list[int], local: list[list[int]],
+                 group_size: int, scale_rewards: bool) -> ScoredBatch:
+    """samples: the step's prompts; mine, local: this rank's prompt indices and their completions
+    (rl/rollout.sample_groups). The rewards see each prompt's other columns (Sample.meta)."""
     G = group_size
     texts = [tokenizer.decode(c) for c in local]
-    prompts_text = [samples[i][0] for i in mine for _ in range(G)]
-    metas = [{"answer": samples[i][1]} for i in mine for _ in range(G)]
+    prompts_text = [samples[i].prompt for i in mine for _ in range(G)]
+    metas = [samples[i].meta for i in mine for _ in range(G)]
     local_rewards, metrics = rewards.scores(prompts_text, texts, metas)
     completions, all_rewards, metrics = all_groups(mine, local, local_rewards, metrics, len(samples), G)
     by_group = all_rewards.view(-1, G)

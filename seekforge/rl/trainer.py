@@ -31,7 +31,7 @@ from seekforge.probe.training import TrainingProbe
 from seekforge.rl.algorithm import BatchTotals
 from seekforge.rl.collectives import distributed, is_main, shard_policy, sum_gradients_over_ranks, sum_over_ranks
 from seekforge.rl.config import GRPOConfig
-from seekforge.rl.data import PromptStream
+from seekforge.rl.data import prompt_dataset
 from seekforge.rl.evaluate import evaluate
 from seekforge.rl.replica import EngineWeights
 from seekforge.rl.rewards import RewardSet
@@ -74,7 +74,7 @@ class GRPOTrainer:
                                weight_decay=cfg.weight_decay, betas=(0.9, 0.99))  # constant after warmup
         self.optimizer, self.scheduler = build_optimizer(policy, schedule)
         self.rewards = RewardSet(list(cfg.rewards), list(cfg.reward_weights))
-        self.prompt_stream = PromptStream(cfg.task_levels, cfg.seed, cfg.eval_prompts)
+        self.prompt_stream = prompt_dataset(cfg.data, cfg.seed, cfg.eval_prompts, cfg.task_levels, cfg.rewards)
         self.loss_settings = LossSettings(cfg.loss_type, cfg.clip_low, cfg.clip_high, cfg.beta)
         self.rollout = Rollout(self.engine_model, tokenizer, engine_config(cfg))
         self.moe_layers = policy.moe_layers()
@@ -127,7 +127,7 @@ class GRPOTrainer:
     def step(self) -> dict:
         cfg, step = self.cfg, self.step_count
         samples = self.prompt_stream.prompts(step, cfg.prompts_per_step)
-        prompt_ids = [encode_prompt(self.tokenizer, prompt) for prompt, _ in samples]
+        prompt_ids = [encode_prompt(self.tokenizer, sample.prompt) for sample in samples]
         self.probe.begin_step(step + 1, record=False)  # the dump and monitor watch training, not rollouts
         start = time.perf_counter()
         mine, local = sample_groups(self.rollout, prompt_ids, rollout_seeds(cfg.seed, step, len(samples),
@@ -202,8 +202,8 @@ class GRPOTrainer:
         return sums, grad_norm
 
     def evaluate(self) -> float:
-        """Held-out accuracy on the training engine (rl/evaluate.py)."""
-        accuracy = evaluate(self.rollout, self.tokenizer, self.prompt_stream.eval_set, self.cfg.max_new_tokens)
+        """Held-out score on the training engine (rl/evaluate.py)."""
+        accuracy = evaluate(self.rollout, self.tokenizer, self.prompt_stream, self.cfg.max_new_tokens)
         if self.cfg.swap:
             self.rollout.sleep()
         return accuracy
