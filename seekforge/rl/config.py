@@ -96,6 +96,11 @@ class GRPOConfig:
     def __post_init__(self):
         self.validate()
 
+    def optimizer_config(self) -> OptimizerConfig:
+        """Linear warmup, then constant (cosine down to min_lr = lr); μ optimizer steps per GRPO step."""
+        return OptimizerConfig(lr=self.lr, min_lr=self.lr, warmup=self.warmup, steps=self.steps * self.mu,
+                               weight_decay=self.weight_decay, betas=(0.9, 0.99))
+
     def validate(self) -> None:
         def bad(key, msg):
             raise ValueError(f"GRPOConfig.{key}={getattr(self, key)!r}: {msg}")
@@ -137,6 +142,21 @@ class GRPOConfig:
         for spec in self.rewards:
             resolve_reward(spec)  # an unknown name fails here, before anything is built
         check_data_spec(self.data)
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW and its learning-rate schedule: the numbers train/optim.build_optimizer and lr_at read (the
+    same fields as TrainConfig's), so GRPO builds its optimizer without a pretraining config."""
+
+    lr: float
+    min_lr: float
+    warmup: int
+    steps: int  # optimizer steps
+    weight_decay: float
+    betas: tuple[float, float]
+    schedule: str = "cosine"
+    decay_fraction: float = 0.2  # wsd only
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(GRPOConfig)}

@@ -25,7 +25,6 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from seekforge.config import TrainConfig
 from seekforge.model.precision import resolve_dtype
 from seekforge.probe.training import TrainingProbe
 from seekforge.rl.algorithm import BatchTotals
@@ -70,9 +69,7 @@ class GRPOTrainer:
         self.master_weights = None
         if self.compute_dtype == torch.bfloat16 and not self.sharded and can_use_master_weights(policy):
             self.master_weights = MasterWeights(policy, copies=self.engine_model)
-        schedule = TrainConfig(preset="tiny", lr=cfg.lr, min_lr=cfg.lr, warmup=cfg.warmup, steps=cfg.steps * cfg.mu,
-                               weight_decay=cfg.weight_decay, betas=(0.9, 0.99))  # constant after warmup
-        self.optimizer, self.scheduler = build_optimizer(policy, schedule)
+        self.optimizer, self.scheduler = build_optimizer(policy, cfg.optimizer_config())
         self.rewards = RewardSet(list(cfg.rewards), list(cfg.reward_weights))
         self.prompt_stream = prompt_dataset(cfg.data, cfg.seed, cfg.eval_prompts, cfg.task_levels, cfg.rewards)
         self.loss_settings = LossSettings(cfg.loss_type, cfg.clip_low, cfg.clip_high, cfg.beta)
