@@ -20,8 +20,9 @@ from pathlib import Path
 
 import yaml
 
-from seekforge.rl.config import GRPOConfig, config_to_dict, load_grpo_config
+from seekforge.rl.config import GRPOConfig
 from seekforge.rl.data import BUILTIN
+from seekforge.train.config_file import command_line, config_to_dict, interrupt_hint_of, load_config
 
 _FLAGS = [
     ("--base", "base", str, "HF checkpoint directory of the starting policy ('' = built-in base)"),
@@ -40,14 +41,6 @@ _FLAGS = [
     ("--out-dir", "out_dir", str, "run directory"),
 ]
 _DEFAULTS = GRPOConfig()
-
-
-def on_interrupt(args) -> str:
-    """What Ctrl-C says (seekforge/cli.py): how to go on."""
-    from seekforge.train.checkpoint import interrupt_hint
-
-    cfg = config_from_args(args)
-    return interrupt_hint(cfg.out_dir, cfg.save_interval)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -72,15 +65,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args) -> GRPOConfig:
-    from seekforge.train.config_file import parse_overrides
-
-    given = vars(args)
-    updates = {f: given[f] for f in [f[1] for f in _FLAGS] + ["rewards", "resume", "checkpoint_fallback"]
-               if f in given}
-    overrides = parse_overrides(given.get("overrides", []))
+    path, updates, overrides = command_line(args, [f[1] for f in _FLAGS] + ["rewards", "resume", "checkpoint_fallback"])
     if "rewards" in updates and "reward_weights" not in overrides:  # --reward a --reward b: weight 1 each
         updates["reward_weights"] = [1.0] * len(updates["rewards"])
-    return load_grpo_config(given.get("config"), {**updates, **overrides})
+    return load_config(GRPOConfig, path, updates, overrides)
+
+
+def on_interrupt(args) -> str:
+    """What Ctrl-C says (seekforge/cli.py): how to go on."""
+    return interrupt_hint_of(config_from_args(args))
 
 
 def run(args) -> None:

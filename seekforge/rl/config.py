@@ -1,13 +1,12 @@
 """GRPOConfig: one GRPO run, checked in full before any model is built.
 
-YAML/TOML files map 1:1 onto the fields (train/config_file's reader and `key=value` parser); a
+YAML/TOML files map 1:1 onto the fields (train/config_file.load_config, pretrain's loader too); a
 `model:` table overrides the built-in base model's ModelConfig keys (used only when `base` is empty
 and the run prepares its own base checkpoint).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +15,7 @@ from typing import Any
 from seekforge.rl.algorithm import LOSS_TYPES
 from seekforge.rl.data import check_data_spec
 from seekforge.rl.rewards import resolve_reward
-from seekforge.train.config_file import parse_overrides, read_config_file
+from seekforge.train.config_file import load_config
 
 # The built-in base: a small dense-then-MoE DeepSeek-V3 (MLA, 8 experts top-2, no MTP) that learns
 # two-digit addition and subtraction to a middling accuracy in a few minutes on two CPU cores.
@@ -159,38 +158,6 @@ class OptimizerConfig:
     decay_fraction: float = 0.2  # wsd only
 
 
-_FIELDS = {f.name: f for f in dataclasses.fields(GRPOConfig)}
-
-
 def load_grpo_config(path: str | Path | None = None, overrides: list[str] | dict | None = None) -> GRPOConfig:
     """Defaults ← file (YAML/TOML) ← overrides ("key=value" strings or a dict)."""
-    raw: dict[str, Any] = read_config_file(path) if path else {}
-    updates = dict(overrides) if isinstance(overrides, dict) else parse_overrides(overrides or [])
-    model = {**raw.get("model", {}), **updates.pop("model", {})}
-    raw.update(updates)
-    if model:
-        raw["model"] = model
-    unknown = sorted(set(raw) - set(_FIELDS))
-    if unknown:
-        raise ValueError(f"unknown GRPOConfig key(s) {unknown}; valid keys: {sorted(_FIELDS)}")
-    return GRPOConfig(**{key: _coerce(key, value) for key, value in raw.items()})
-
-
-def _coerce(key: str, value: Any) -> Any:
-    f = _FIELDS[key]
-    default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-    expected = type(default)
-    if isinstance(default, float) and isinstance(value, int | str) and not isinstance(value, bool):
-        try:
-            return float(value)  # YAML reads 1e-3 as a string, 1 as an int
-        except ValueError:
-            pass
-    if isinstance(default, list) and isinstance(value, str | int | float):
-        value = [value]  # --set rewards=format
-    if isinstance(value, bool) != isinstance(default, bool) or not isinstance(value, expected):
-        raise ValueError(f"GRPOConfig.{key}={value!r}: expected {expected.__name__}")
-    return value
-
-
-def config_to_dict(cfg: GRPOConfig) -> dict[str, Any]:
-    return dataclasses.asdict(cfg)
+    return load_config(GRPOConfig, path, overrides)

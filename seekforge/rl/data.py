@@ -148,10 +148,9 @@ class JsonlPrompts:
 def _row(path: Path, number: int, line: str) -> Sample:
     try:
         row = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}:{number} is not JSON ({e.msg}); each line must be one object such as "
-                         '{"prompt": "...", "answer": "..."}') from None
+    except json.JSONDecodeError:
+        row = None
     if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-        raise ValueError(f'{path}:{number} has no "prompt" string; each line must be one object such as '
-                         '{"prompt": "...", "answer": "..."}')
+        raise ValueError(f'{path}:{number} is not a JSON object with a "prompt" string; write one object per '
+                         'line, such as {"prompt": "...", "answer": "..."}')
     return Sample(row.pop("prompt"), row)

@@ -76,8 +76,8 @@ def test_builtin_task_is_a_dataset_too():
 
 
 @pytest.mark.parametrize("text, num_eval, message", [
-    ('{"prompt": "a"}\nnot json\n', 0, r"p.jsonl:2 is not JSON"),
-    ('{"question": "a"}\n', 0, r'p.jsonl:1 has no "prompt" string'),
+    ('{"prompt": "a"}\nnot json\n', 0, r'p.jsonl:2 is not a JSON object with a "prompt" string'),
+    ('{"question": "a"}\n', 0, r'p.jsonl:1 is not a JSON object with a "prompt" string'),
     ('{"prompt": "a"}\n{"prompt": "b"}\n', 2, r"has 2 prompts and eval_prompts=2 would hold out all of them"),
 ])
 def test_bad_jsonl_is_one_clear_error(tmp_path, text, num_eval, message):
