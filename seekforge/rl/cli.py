@@ -3,7 +3,8 @@
 With no arguments it runs the built-in default: it pretrains its own small base model on the
 arithmetic task (a few minutes; reused when already there), then improves it with GRPO on the
 task's exact-answer reward, writing runs/grpo/{metrics.jsonl, tensorboard/, reward.png,
-checkpoints/, base/}. An existing run in --out-dir resumes from its latest checkpoint.
+checkpoints/, base/}. An existing run in --out-dir resumes from its latest checkpoint. `--base DIR --data
+FILE.jsonl` trains another model on your own prompts (rl/data.py).
 
 Under torchrun (`torchrun --nproc-per-node 2 -m seekforge.cli grpo ...`) the policy and its optimizer
 state are FSDP-sharded over the ranks (`--set fsdp=false`: full replicas); every rank has its own

@@ -71,6 +71,7 @@ class GRPOTrainer:
             self.master_weights = MasterWeights(policy, copies=self.engine_model)
         self.optimizer, self.scheduler = build_optimizer(policy, cfg.optimizer_config())
         self.rewards = RewardSet(list(cfg.rewards), list(cfg.reward_weights))
+        # the prompts (rl/data.py): the built-in task or the user's JSONL file
         self.prompt_stream = prompt_dataset(cfg.data, cfg.seed, cfg.eval_prompts, cfg.task_levels, cfg.rewards)
         self.loss_settings = LossSettings(cfg.loss_type, cfg.clip_low, cfg.clip_high, cfg.beta)
         self.rollout = Rollout(self.engine_model, tokenizer, engine_config(cfg))
