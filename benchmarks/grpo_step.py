@@ -84,10 +84,10 @@ def prepare(workdir: Path, preset_name: str) -> None:
 
 def prompts_and_answers():
     """Both iterations' prompts: seekforge's step 0 and step 1 prompts, in order."""
-    from seekforge.rl.trainer import PromptStream
+    from seekforge.rl.data import ArithmeticPrompts
 
-    stream = PromptStream([1, 2, 3], seed=0, num_eval=0)
-    return stream.prompts(0, PROMPTS) + stream.prompts(1, PROMPTS)
+    stream = ArithmeticPrompts([1, 2, 3], seed=0, num_eval=0)
+    return [(s.prompt, s.meta["answer"]) for s in stream.prompts(0, PROMPTS) + stream.prompts(1, PROMPTS)]
 
 
 def run_seekforge(workdir: Path, swap: bool, dtype: str, compile: bool) -> dict:

@@ -97,7 +97,8 @@ def prepare_base(cfg: GRPOConfig, tokenizer, out_dir: Path, progress: bool = Tru
     slipping on the others."""
     from seekforge.model.hf import save_hf
     from seekforge.model.model import build_model
-    from seekforge.rl.trainer import PromptStream, held_out_accuracy
+    from seekforge.rl.data import ArithmeticPrompts
+    from seekforge.rl.evaluate import held_out_accuracy
     from seekforge.train.trainer import Trainer
 
     hf_dir = out_dir / "hf"
@@ -105,7 +106,7 @@ def prepare_base(cfg: GRPOConfig, tokenizer, out_dir: Path, progress: bool = Tru
         return hf_dir
     train_cfg = base_train_config(cfg, tokenizer, out_dir)
     model = build_model(train_cfg.model_config(), seed=cfg.seed)
-    held_out = frozenset(prompt for prompt, _ in PromptStream(cfg.task_levels, cfg.seed, cfg.eval_prompts).eval_set)
+    held_out = frozenset(s.prompt for s in ArithmeticPrompts(cfg.task_levels, cfg.seed, cfg.eval_prompts).eval_set)
     windows = TaskWindows(tokenizer, cfg.task_levels, train_cfg.seq_len,
                           train_cfg.steps * train_cfg.micro_batch_size, cfg.seed, held_out, cfg.base_slip_share)
     trainer = Trainer(train_cfg, model, BatchLoader(windows, train_cfg.micro_batch_size, cfg.seed), out_dir=out_dir)

@@ -3,7 +3,8 @@
 With no arguments it runs the built-in default: it pretrains its own small base model on the
 arithmetic task (a few minutes; reused when already there), then improves it with GRPO on the
 task's exact-answer reward, writing runs/grpo/{metrics.jsonl, tensorboard/, reward.png,
-checkpoints/, base/}. An existing run in --out-dir resumes from its latest checkpoint.
+checkpoints/, base/}. An existing run in --out-dir resumes from its latest checkpoint. `--base DIR --data
+FILE.jsonl` trains another model on your own prompts (rl/data.py).
 
 Under torchrun (`torchrun --nproc-per-node 2 -m seekforge.cli grpo ...`) the policy and its optimizer
 state are FSDP-sharded over the ranks (`--set fsdp=false`: full replicas); every rank has its own
@@ -20,10 +21,14 @@ from pathlib import Path
 
 import yaml
 
-from seekforge.rl.config import GRPOConfig, config_to_dict, load_grpo_config
+from seekforge.rl.config import GRPOConfig
+from seekforge.rl.data import BUILTIN
+from seekforge.train.config_file import command_line, config_to_dict, interrupt_hint_of, load_config
 
 _FLAGS = [
     ("--base", "base", str, "HF checkpoint directory of the starting policy ('' = built-in base)"),
+    ("--data", "data", str, "prompts: builtin:arithmetic | a .jsonl file of {\"prompt\": ..., other columns} lines, "
+                            "the columns passed to the rewards (seekforge/rl/data.py)"),
     ("--steps", "steps", int, "GRPO iterations (rollout + update)"),
     ("--prompts-per-step", "prompts_per_step", int, "prompts per rollout batch"),
     ("--group-size", "group_size", int, "completions per prompt (G)"),
@@ -37,14 +42,6 @@ _FLAGS = [
     ("--out-dir", "out_dir", str, "run directory"),
 ]
 _DEFAULTS = GRPOConfig()
-
-
-def on_interrupt(args) -> str:
-    """What Ctrl-C says (seekforge/cli.py): how to go on."""
-    from seekforge.train.checkpoint import interrupt_hint
-
-    cfg = config_from_args(args)
-    return interrupt_hint(cfg.out_dir, cfg.save_interval)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -69,15 +66,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args) -> GRPOConfig:
-    from seekforge.train.config_file import parse_overrides
-
-    given = vars(args)
-    updates = {f: given[f] for f in [f[1] for f in _FLAGS] + ["rewards", "resume", "checkpoint_fallback"]
-               if f in given}
-    overrides = parse_overrides(given.get("overrides", []))
+    path, updates, overrides = command_line(args, [f[1] for f in _FLAGS] + ["rewards", "resume", "checkpoint_fallback"])
     if "rewards" in updates and "reward_weights" not in overrides:  # --reward a --reward b: weight 1 each
         updates["reward_weights"] = [1.0] * len(updates["rewards"])
-    return load_grpo_config(given.get("config"), {**updates, **overrides})
+    return load_config(GRPOConfig, path, updates, overrides)
+
+
+def on_interrupt(args) -> str:
+    """What Ctrl-C says (seekforge/cli.py): how to go on."""
+    return interrupt_hint_of(config_from_args(args))
 
 
 def run(args) -> None:
@@ -88,6 +85,9 @@ def run(args) -> None:
     from seekforge.parallel.mesh import init_distributed
 
     cfg = config_from_args(args)  # a bad config fails here, before anything is built
+    if not cfg.base and cfg.data != BUILTIN:
+        raise ValueError(f"data={cfg.data!r} needs --base: the built-in base model only knows the built-in arithmetic "
+                         "task; give an HF checkpoint directory that can answer your prompts")
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     built_in_base = Path(cfg.out_dir) / "base" / "hf"
     if world_size > 1 and not cfg.base and not (built_in_base / "config.json").exists():
@@ -144,7 +144,8 @@ def _grpo(cfg: GRPOConfig) -> None:
         dist.barrier()  # the fresh-start cleanup is done before any rank saves
     counts = policy.cfg.num_params()
     say(f"policy: {counts['total'] / 1e6:.2f}M params from {base}; {cfg.prompts_per_step} prompts x "
-        f"G={cfg.group_size} per step, {cfg.steps} steps, loss {cfg.loss_type}, beta {cfg.beta}, mu {cfg.mu}; "
+        f"G={cfg.group_size} per step from {cfg.data}, {cfg.steps} steps, loss {cfg.loss_type}, beta {cfg.beta}, "
+        f"mu {cfg.mu}; "
         f"rewards {dict(zip(cfg.rewards, cfg.reward_weights, strict=True))}"
         + (f"; {dist.get_world_size()} data-parallel ranks" if dist.is_initialized() else ""))
     say(f"compute dtype: {trainer.dtype_reason}")

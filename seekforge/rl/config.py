@@ -1,21 +1,21 @@
 """GRPOConfig: one GRPO run, checked in full before any model is built.
 
-YAML/TOML files map 1:1 onto the fields (train/config_file's reader and `key=value` parser); a
+YAML/TOML files map 1:1 onto the fields (train/config_file.load_config, pretrain's loader too); a
 `model:` table overrides the built-in base model's ModelConfig keys (used only when `base` is empty
 and the run prepares its own base checkpoint).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from seekforge.rl.algorithm import LOSS_TYPES
+from seekforge.rl.data import check_data_spec
 from seekforge.rl.rewards import resolve_reward
-from seekforge.train.config_file import parse_overrides, read_config_file
+from seekforge.train.config_file import load_config
 
 # The built-in base: a small dense-then-MoE DeepSeek-V3 (MLA, 8 experts top-2, no MTP) that learns
 # two-digit addition and subtraction to a middling accuracy in a few minutes on two CPU cores.
@@ -30,8 +30,12 @@ DEFAULT_BASE_MODEL = dict(hidden_size=128, num_hidden_layers=3, intermediate_siz
 class GRPOConfig:
     base: str = ""  # HF checkpoint directory of the starting policy; "": prepare the built-in base
     tokenizer: str = "byte"  # used with the built-in base; a given base brings its own
-    # ArithmeticTask levels of the prompts. Level 1 (20,000 questions) over level 2 (~950, so RL prompts
-    # repeat what the base memorized): +8 vs +5 held-out points from a 30%-36% base (git log -p BENCHMARKS.md)
+    # The prompts (rl/data.py): builtin:arithmetic, or a .jsonl file of {"prompt": ..., other columns} lines
+    # whose columns reach the rewards; its held-out prompts (eval_prompts of them) are graded by rewards[0].
+    data: str = "builtin:arithmetic"
+    # builtin:arithmetic: the ArithmeticTask levels of the prompts. Level 1 (20,000 questions) over level 2
+    # (~950, so RL prompts repeat what the base memorized): +8 vs +5 held-out points from a 30%-36% base
+    # (git log -p BENCHMARKS.md)
     task_levels: list[int] = field(default_factory=lambda: [1])
     rewards: list[str] = field(default_factory=lambda: ["arithmetic"])  # built-in names or module:function
     reward_weights: list[float] = field(default_factory=lambda: [1.0])
@@ -91,6 +95,11 @@ class GRPOConfig:
     def __post_init__(self):
         self.validate()
 
+    def optimizer_config(self) -> OptimizerConfig:
+        """Linear warmup, then constant (cosine down to min_lr = lr); μ optimizer steps per GRPO step."""
+        return OptimizerConfig(lr=self.lr, min_lr=self.lr, warmup=self.warmup, steps=self.steps * self.mu,
+                               weight_decay=self.weight_decay, betas=(0.9, 0.99))
+
     def validate(self) -> None:
         def bad(key, msg):
             raise ValueError(f"GRPOConfig.{key}={getattr(self, key)!r}: {msg}")
@@ -131,40 +140,24 @@ class GRPOConfig:
             bad("reward_weights", f"give one weight per reward ({len(self.rewards)} rewards: {self.rewards})")
         for spec in self.rewards:
             resolve_reward(spec)  # an unknown name fails here, before anything is built
+        check_data_spec(self.data)
 
 
-_FIELDS = {f.name: f for f in dataclasses.fields(GRPOConfig)}
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW and its learning-rate schedule: the numbers train/optim.build_optimizer and lr_at read (the
+    same fields as TrainConfig's), so GRPO builds its optimizer without a pretraining config."""
+
+    lr: float
+    min_lr: float
+    warmup: int
+    steps: int  # optimizer steps
+    weight_decay: float
+    betas: tuple[float, float]
+    schedule: str = "cosine"
+    decay_fraction: float = 0.2  # wsd only
 
 
 def load_grpo_config(path: str | Path | None = None, overrides: list[str] | dict | None = None) -> GRPOConfig:
     """Defaults ← file (YAML/TOML) ← overrides ("key=value" strings or a dict)."""
-    raw: dict[str, Any] = read_config_file(path) if path else {}
-    updates = dict(overrides) if isinstance(overrides, dict) else parse_overrides(overrides or [])
-    model = {**raw.get("model", {}), **updates.pop("model", {})}
-    raw.update(updates)
-    if model:
-        raw["model"] = model
-    unknown = sorted(set(raw) - set(_FIELDS))
-    if unknown:
-        raise ValueError(f"unknown GRPOConfig key(s) {unknown}; valid keys: {sorted(_FIELDS)}")
-    return GRPOConfig(**{key: _coerce(key, value) for key, value in raw.items()})
-
-
-def _coerce(key: str, value: Any) -> Any:
-    f = _FIELDS[key]
-    default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-    expected = type(default)
-    if isinstance(default, float) and isinstance(value, int | str) and not isinstance(value, bool):
-        try:
-            return float(value)  # YAML reads 1e-3 as a string, 1 as an int
-        except ValueError:
-            pass
-    if isinstance(default, list) and isinstance(value, str | int | float):
-        value = [value]  # --set rewards=format
-    if isinstance(value, bool) != isinstance(default, bool) or not isinstance(value, expected):
-        raise ValueError(f"GRPOConfig.{key}={value!r}: expected {expected.__name__}")
-    return value
-
-
-def config_to_dict(cfg: GRPOConfig) -> dict[str, Any]:
-    return dataclasses.asdict(cfg)
+    return load_config(GRPOConfig, path, overrides)

@@ -1,10 +1,11 @@
-"""Co-located rollouts: serve's LLMEngine runs in the trainer's process on the policy module itself.
+"""GRPO's rollout step: G completions of each of the step's prompts, sampled on serve's LLMEngine in
+the trainer's process.
 
-The engine holds the very `Transformer` the optimizer updates, so its weights are the policy's
-tensors: no copy, no file. After each update only the prefix cache must go (its latents were
-computed with the old weights). Continuous batching runs all prompts × G completions of a step
-together, finished sequences leaving the batch, so a step costs about what its longest completion
-costs, not P·G generate calls.
+The engine holds the very `Transformer` the optimizer updates where it can, so its weights are the
+policy's tensors: no copy, no file (otherwise a replica refreshed in place, rl/replica.py). After each
+update the prefix cache must go (its latents were computed with the old weights). Continuous batching
+runs all prompts × G completions of a step together, finished sequences leaving the batch, so a step
+costs about what its longest completion costs, not P·G generate calls.
 
 Memory swap (vLLM's sleep mode, the seeds' heterogeneous swap): the engine's paged KV pool is only
 needed while generating. `sleep()` frees it for the training phase, `wake_up()` allocates it again;
@@ -17,6 +18,8 @@ from __future__ import annotations
 import torch
 
 from seekforge.config import EngineConfig
+from seekforge.rl.collectives import my_groups
+from seekforge.rl.config import GRPOConfig
 from seekforge.serve.engine import LLMEngine
 from seekforge.serve.kv_cache import zeros_on_demand
 from seekforge.serve.sequence import SamplingParams
@@ -72,6 +75,36 @@ class Rollout:
             cache.c_kv = zeros_on_demand(c_kv_shape, cache.c_kv.dtype, cache.c_kv.device)
             cache.k_pe = zeros_on_demand(k_pe_shape, cache.k_pe.dtype, cache.k_pe.device)
         self.asleep = False
+
+
+def engine_config(cfg: GRPOConfig) -> EngineConfig:
+    """The trainer's engine: room for a whole step's completions in one continuous batch."""
+    return EngineConfig(block_size=16, kv_cache_memory=cfg.kv_cache_memory,
+                        max_num_seqs=max(cfg.prompts_per_step * cfg.group_size, 1), max_num_batched_tokens=4096,
+                        compile=cfg.compile)
+
+
+def encode_prompt(tokenizer, prompt: str) -> list[int]:
+    """Pretraining documents follow an end-of-document token (data/dataset joins documents with it),
+    so a prompt starts after one, as every question the base model saw did."""
+    return [tokenizer.eos_token_id, *tokenizer.encode(prompt)]
+
+
+def rollout_seeds(seed: int, step: int, count: int, group_size: int) -> list[int]:
+    """Disjoint per (step, prompt) streams; completion j of prompt i draws from seeds[i] + j."""
+    return [(seed * 1_000_003 + step * 10_007 + i) * group_size for i in range(count)]
+
+
+def sample_groups(rollout: Rollout, prompt_ids: list[list[int]], seeds: list[int], cfg: GRPOConfig
+                  ) -> tuple[list[int], list[list[int]]]:
+    """The step's rollout on this rank: its balanced share of the prompts (before generating, a prompt's
+    expected work is its prompt tokens plus the completion budget) × G completions each.
+    → (this rank's prompt indices, their completions' token ids, prompt-major)."""
+    G = cfg.group_size
+    mine = my_groups([G * (len(p) + cfg.max_new_tokens) for p in prompt_ids])
+    completions = rollout.generate([prompt_ids[i] for i in mine], G, cfg.max_new_tokens, cfg.temperature,
+                                   [seeds[i] for i in mine])
+    return mine, completions
 
 
 def offload(module_or_optimizer, device: torch.device | str) -> None:

@@ -1,10 +1,11 @@
-"""The training phase of a GRPO iteration on one rank: score packed rows, build the loss from the
-algorithm's pieces, and accumulate gradients.
+"""GRPO's update step on one rank: pack its share of the scored sequences into rows, score the rows
+under the old policy and the reference (log-probs without a graph), then build the loss from the
+algorithm's pieces and accumulate gradients row by row.
 
 Every rank holds its share of the rollout batch (whole groups, rl/balance.py) packed into rows; each
 row is one forward + backward. The loss weights come from the batch's global totals (`BatchTotals`),
-so the gradients summed over rows and ranks (rl/trainer.py sums them over ranks) are the whole
-batch's gradient however it was split.
+so the gradients summed over rows and ranks (rl/collectives.py) are the whole batch's gradient however
+it was split.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
+from seekforge.model.precision import onednn_size, uses_onednn
 from seekforge.rl.algorithm import BatchTotals, policy_loss, token_weights
-from seekforge.rl.packing import PackedRow, row_log_probs
+from seekforge.rl.collectives import max_over_ranks, my_groups
+from seekforge.rl.packing import PackedRow, empty_row, pack_sequences, pad_row, row_log_probs
 
 
 @dataclass
@@ -35,6 +38,24 @@ class TrainingBatch:
     advantages: torch.Tensor  # (n,) per sequence
     old_logps: list[torch.Tensor] | None  # per sequence (len_i,); None: on-policy (ratio 1)
     ref_logps: list[torch.Tensor] | None  # per sequence (len_i,); None when beta = 0
+
+
+def pack_my_sequences(prompt_ids: list[list[int]], completions: list[list[int]], group_size: int,
+                      max_pack_tokens: int, max_pack_count: int, compute_dtype: torch.dtype, device: torch.device,
+                      sharded: bool) -> tuple[list[int], list[PackedRow]]:
+    """The sequences this rank trains (whole groups, balanced by their actual tokens) packed into rows.
+    → (their indices in the step's group-major list, the rows; a row's `sequences` index the former)."""
+    G = group_size
+    group_tokens = [sum(len(prompt_ids[g]) + len(c) for c in completions[g * G:(g + 1) * G])
+                    for g in range(len(prompt_ids))]
+    seqs = [g * G + j for g in my_groups(group_tokens) for j in range(G)]
+    rows = pack_sequences([prompt_ids[i // G] for i in seqs], [completions[i] for i in seqs],
+                          max_pack_tokens, max_pack_count)
+    if uses_onednn(device, compute_dtype):  # row lengths from a small set: kernels built once
+        rows = [pad_row(row, onednn_size(row.input_ids.shape[1])) for row in rows]
+    if sharded:  # FSDP: every rank runs as many forwards (its collectives)
+        rows += [empty_row()] * (max_over_ranks(len(rows)) - len(rows))
+    return seqs, rows
 
 
 @torch.no_grad()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from seekforge.config import TrainConfig, parse_parallel
 from seekforge.model.precision import auto_dtype_help
-from seekforge.train.config_file import load_train_config, parse_overrides
+from seekforge.train.config_file import command_line, interrupt_hint_of, load_config
 
 # Flags for the common fields: (flag, TrainConfig field, type). Everything else: --set key=value.
 _FLAGS = [
@@ -49,10 +49,7 @@ DEFAULT_RUN = dict(steps=300, schedule="wsd", lr=4e-3, min_lr=2e-4, warmup=20)
 
 def on_interrupt(args) -> str:
     """What Ctrl-C says (seekforge/cli.py): how to go on."""
-    from seekforge.train.checkpoint import interrupt_hint
-
-    cfg = config_from_args(args)
-    return interrupt_hint(cfg.out_dir, cfg.save_interval)
+    return interrupt_hint_of(config_from_args(args))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -97,8 +94,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args) -> TrainConfig:
     given = vars(args)
-    fields = [f[1] for f in _FLAGS] + ["compile", "resume", "checkpoint_fallback", "preset"]
-    updates = {field: given[field] for field in fields if field in given}
+    path, updates, overrides = command_line(args, [f[1] for f in _FLAGS] + ["compile", "resume",
+                                                                              "checkpoint_fallback", "preset"])
     if "name" in given:
         updates["out_dir"] = str(Path("runs") / given["name"])
     default_run = "config" not in given and "preset" not in given
@@ -106,12 +103,8 @@ def config_from_args(args) -> TrainConfig:
         updates = {**DEFAULT_RUN, **updates, "model": dict(DEFAULT_RUN_MODEL)}
     if "parallel" in given:
         updates["parallel"] = parse_parallel(given["parallel"])
-    overrides = parse_overrides(given.get("overrides", []))
     user_model = overrides.get("model", {})
-    for table in ("model", "parallel"):
-        if table in updates and table in overrides:
-            overrides[table] = {**updates[table], **overrides[table]}
-    cfg = load_train_config(given.get("config"), {**updates, **overrides})
+    cfg = load_config(TrainConfig, path, updates, overrides)  # tables (model, parallel) merge key by key
     if default_run and cfg.resume:
         from seekforge.train.checkpoint import step_dirs
 

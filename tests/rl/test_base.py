@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from seekforge.model.tokenizer import load_tokenizer
 from seekforge.rl.base import StopRule, TaskWindows
-from seekforge.rl.trainer import PromptStream
+from seekforge.rl.data import ArithmeticPrompts
 
 
 def test_base_documents_leave_out_the_held_out_questions():
     tokenizer = load_tokenizer("byte")
-    held_out = frozenset(prompt for prompt, _ in PromptStream([2], seed=0, num_eval=200).eval_set)
+    held_out = frozenset(s.prompt for s in ArithmeticPrompts([2], seed=0, num_eval=200).eval_set)
     windows = TaskWindows(tokenizer, [2], seq_len=128, num_windows=64, seed=0, held_out=held_out)
     text = tokenizer.decode([int(t) for w in windows.windows for t in w])
     assert not [prompt for prompt in held_out if prompt in text]

@@ -24,8 +24,21 @@ def test_config_file_and_overrides(tmp_path):
     assert load_grpo_config(toml).loss_type == "dr_grpo"
     with pytest.raises(ValueError, match=r"unknown GRPOConfig key\(s\) \['gruop_size'\]"):
         load_grpo_config(None, ["gruop_size=4"])
-    with pytest.raises(ValueError, match="GRPOConfig.steps='many': expected int"):
+    with pytest.raises(ValueError, match="GRPOConfig.steps='many': expected an integer"):
         load_grpo_config(None, ["steps=many"])
+
+
+def test_grpo_config_is_checked_by_the_loader_pretrain_uses(tmp_path):
+    """One loader and type check for both verbs' configs (train/config_file.load_config): list items too."""
+    for overrides, message in [
+        (["reward_weights=[1, heavy]"], r"GRPOConfig.reward_weights\[1\]='heavy': expected a number"),
+        (["task_levels=[1.5]"], r"GRPOConfig.task_levels\[0\]=1.5: expected an integer"),
+        ({"model": 3}, "GRPOConfig.model=3: expected a mapping of ModelConfig keys"),
+        (["swap=1"], "GRPOConfig.swap=1: expected true or false"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            load_grpo_config(None, overrides)
+    assert load_grpo_config(None, ["task_levels=2", "reward_weights=[1]"]).task_levels == [2]
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -189,3 +189,19 @@ def test_probe_monitors_the_training_pass_and_times_each_phase(tmp_path):
         assert entry["weight_grad_norm"] > 0 and entry["update_ratio"] > 0
     phases = {s.labels["phase"] for m in trainer.probe.registry.collect() for s in m.samples if "phase" in s.labels}
     assert {"rollout", "rewards", "backward", "optimizer"} <= phases
+
+
+def test_optimizer_config_warms_up_then_holds_the_lr():
+    """GRPO's own optimizer config (no pretraining TrainConfig): AdamW with GRPO's betas, μ steps per iteration,
+    the lr linear over the warmup and constant after it."""
+    from seekforge.train.optim import build_optimizer
+
+    cfg = GRPOConfig(lr=1e-3, warmup=2, steps=3, mu=2, weight_decay=0.01)
+    optimizer, scheduler = build_optimizer(tiny_model(), cfg.optimizer_config())
+    assert optimizer.defaults["betas"] == (0.9, 0.99) and optimizer.param_groups[0]["weight_decay"] == 0.01
+    lrs = []
+    for _ in range(cfg.steps * cfg.mu):
+        lrs.append(scheduler.get_last_lr()[0])
+        optimizer.step()
+        scheduler.step()
+    assert lrs == pytest.approx([5e-4, 1e-3, 1e-3, 1e-3, 1e-3, 1e-3], rel=1e-12)
