@@ -101,7 +101,7 @@ def hf_step_fn(variant: str, dtype: str):
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected and all("rotary" in k for k in missing), (missing, unexpected)
     model.train()
-    optimizer, _ = build_optimizer(model, TrainConfig(preset="small", steps=1000))
+    optimizer, _ = build_optimizer(model, TrainConfig(preset="small", steps=1000).optimizer_config())
     batch = fixed_batch(cfg.vocab_size)
     ids = batch["input_ids"]
 

@@ -26,6 +26,21 @@ def parse_split(split: str) -> tuple[float, float, float]:
     return weights[0] / total, weights[1] / total, weights[2] / total
 
 
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW and its learning-rate schedule: what train/optim.build_optimizer and lr_at read. Pretraining
+    (TrainConfig.optimizer_config) and GRPO (GRPOConfig.optimizer_config) each say how they fill it."""
+
+    lr: float
+    min_lr: float
+    warmup: int
+    steps: int  # optimizer steps
+    weight_decay: float
+    betas: tuple[float, float]
+    schedule: str = "cosine"
+    decay_fraction: float = 0.2  # wsd only
+
+
 @dataclass
 class TrainConfig:
     """One pretraining run. YAML/TOML files map 1:1 onto these fields (train/config_file.py);
@@ -139,6 +154,11 @@ class TrainConfig:
         if vocab_size is not None:
             overrides["vocab_size"] = vocab_size
         return preset(self.preset, **overrides)
+
+    def optimizer_config(self) -> OptimizerConfig:
+        return OptimizerConfig(lr=self.lr, min_lr=self.min_lr, warmup=self.warmup, steps=self.steps,
+                               weight_decay=self.weight_decay, betas=self.betas, schedule=self.schedule,
+                               decay_fraction=self.decay_fraction)
 
     def parallel_config(self) -> ParallelConfig:
         """The `parallel` table as a ParallelConfig; recompute and compile default to this config's."""

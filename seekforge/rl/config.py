@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from seekforge.config import OptimizerConfig
 from seekforge.rl.algorithm import LOSS_TYPES
 from seekforge.rl.data import check_data_spec
 from seekforge.rl.rewards import resolve_reward
@@ -141,21 +142,6 @@ class GRPOConfig:
         for spec in self.rewards:
             resolve_reward(spec)  # an unknown name fails here, before anything is built
         check_data_spec(self.data)
-
-
-@dataclass(frozen=True)
-class OptimizerConfig:
-    """AdamW and its learning-rate schedule: the numbers train/optim.build_optimizer and lr_at read (the
-    same fields as TrainConfig's), so GRPO builds its optimizer without a pretraining config."""
-
-    lr: float
-    min_lr: float
-    warmup: int
-    steps: int  # optimizer steps
-    weight_decay: float
-    betas: tuple[float, float]
-    schedule: str = "cosine"
-    decay_fraction: float = 0.2  # wsd only
 
 
 def load_grpo_config(path: str | Path | None = None, overrides: list[str] | dict | None = None) -> GRPOConfig:

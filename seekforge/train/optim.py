@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from seekforge.config import TrainConfig
+from seekforge.config import OptimizerConfig
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -26,7 +26,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig):
+def build_optimizer(model: nn.Module, cfg: OptimizerConfig):
     """AdamW (decoupled decay, Loshchilov & Hutter) + a LambdaLR driving `lr_at`; both checkpointable."""
     # fused=True is one kernel per dtype on CPU and CUDA alike; torch 2.4+ has it on CPU. One kernel
     # takes one kind of tensor: plain tensors, or DTensors of one mesh (FSDP alone). Layouts that mix
@@ -77,7 +77,7 @@ def clip_grad_norm(parameters, max_norm: float, pp_group=None, duplicates: set[i
     return total
 
 
-def lr_at(step: int, cfg: TrainConfig) -> float:
+def lr_at(step: int, cfg: OptimizerConfig) -> float:
     return lr_schedule(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup=cfg.warmup, steps=cfg.steps,
                        schedule=cfg.schedule, decay_fraction=cfg.decay_fraction)
 

@@ -153,7 +153,7 @@ def say_schedule_changes(saved_config: Path, cfg: TrainConfig, step: int, say) -
     changed = [f"{k} {saved[k]} → {getattr(cfg, k)}" for k in keys if k in saved and saved[k] != getattr(cfg, k)]
     if changed:
         say(f"resuming with another lr schedule ({', '.join(changed)}): this config's applies from step {step}, "
-            f"lr {lr_at(step, cfg):.3g}")
+            f"lr {lr_at(step, cfg.optimizer_config()):.3g}")
 
 
 def pretrain(cfg: TrainConfig) -> list[dict]:

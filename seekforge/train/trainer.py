@@ -87,7 +87,7 @@ class Trainer:
         self.duplicates = {id(p) for m in self.modules if getattr(m, "is_last", False) and not m.is_first
                            and hasattr(m, "embed_tokens") for p in m.embed_tokens.parameters()}
         self.device = next(self.modules[0].parameters()).device
-        built = [build_optimizer(m, cfg) for m in self.modules]
+        built = [build_optimizer(m, cfg.optimizer_config()) for m in self.modules]
         self.optimizers, self.schedulers = [o for o, _ in built], [s for _, s in built]
         self.moe_layers = [m for module in self.modules for m in module.modules() if isinstance(m, MoE)]
         # Forward passes per optimizer step: gradient accumulation × pipeline micro-batches.

@@ -49,7 +49,7 @@ def test_resume_follows_the_resumed_runs_schedule(tmp_path, make_loader):
     resumed = Trainer(longer, build_model(longer.model_config(), seed=0), make_loader(longer))
     assert resumed.resume() and resumed.step == 4
     lrs = [m["lr"] for m in resumed.fit()]
-    assert lrs == pytest.approx([lr_at(step, longer) for step in range(4, 10)], rel=1e-12)
+    assert lrs == pytest.approx([lr_at(step, longer.optimizer_config()) for step in range(4, 10)], rel=1e-12)
 
 
 def test_a_missing_latest_file_resumes_from_the_newest_step(tmp_path, capsys):
@@ -66,7 +66,7 @@ def test_a_missing_latest_file_resumes_from_the_newest_step(tmp_path, capsys):
 def _tiny_state(tmp_path):
     cfg = tiny_train_config(tmp_path)
     model = build_model(cfg.model_config(), seed=0)
-    optimizer, scheduler = build_optimizer(model, cfg)
+    optimizer, scheduler = build_optimizer(model, cfg.optimizer_config())
     return cfg, model, optimizer, scheduler
 
 
@@ -113,7 +113,7 @@ def test_weights_only_checkpoint_starts_a_fresh_run(tmp_path):
     cfg, model, _, _ = _tiny_state(tmp_path)
     path = save_checkpoint(tmp_path / "checkpoints", 0, model)  # what `seekforge convert` writes
     fresh = build_model(cfg.model_config(), seed=7)
-    optimizer, scheduler = build_optimizer(fresh, cfg)
+    optimizer, scheduler = build_optimizer(fresh, cfg.optimizer_config())
     assert load_checkpoint(path, fresh, optimizer, scheduler) == 0
     assert optimizer.state == {} and scheduler.last_epoch == 0
     for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values(), strict=True):

@@ -41,7 +41,7 @@ def test_unknown_schedule_is_a_value_error():
 def test_scheduler_drives_optimizer_lr():
     cfg = TrainConfig(preset="tiny", lr=1e-3, min_lr=1e-4, warmup=2, steps=6)
     model = build_model(cfg.model_config())
-    optimizer, scheduler = build_optimizer(model, cfg)
+    optimizer, scheduler = build_optimizer(model, cfg.optimizer_config())
     seen = []
     for _ in range(6):
         seen.append(optimizer.param_groups[0]["lr"])
