@@ -112,7 +112,7 @@ def _grpo(cfg: GRPOConfig) -> None:
     from seekforge.rl.base import prepare_base
     from seekforge.rl.report import plot_reward_curve
     from seekforge.rl.trainer import GRPOTrainer
-    from seekforge.train.checkpoint import latest_checkpoint
+    from seekforge.train.checkpoint import check_resumed_model, latest_checkpoint
     from seekforge.train.metrics import read_metrics, start_over
 
     is_main = not dist.is_initialized() or dist.get_rank() == 0
@@ -129,6 +129,8 @@ def _grpo(cfg: GRPOConfig) -> None:
         say(f"base model ready in {time.perf_counter() - start:.0f}s: {base}")
     device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
     policy, tokenizer = load_model(base, torch.float32, device, flag="--base")
+    if cfg.resume:  # a directory holding another model's run would resume that model, not this base
+        check_resumed_model(out_dir, policy.cfg, f"--base {base}", new_run="--out-dir DIR")
     reference = copy.deepcopy(policy) if cfg.beta > 0 else None
     trainer = GRPOTrainer(cfg, policy, tokenizer, reference, out_dir)
     latest = latest_checkpoint(out_dir / "checkpoints", cfg.checkpoint_fallback) if cfg.resume else None

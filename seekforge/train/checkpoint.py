@@ -331,9 +331,10 @@ def latest_pointer_problem(ckpt_root: Path) -> str | None:
 _NOT_ASKED_FOR = ("vocab_size", "bos_token_id", "eos_token_id", "extra")
 
 
-def check_resumed_model(out_dir: str | Path, asked: ModelConfig, named_by: str) -> None:
+def check_resumed_model(out_dir: str | Path, asked: ModelConfig, named_by: str, new_run: str = "--name NAME") -> None:
     """Refuse to resume out_dir's run when its model is not `asked` (which `named_by`, e.g. --preset small,
-    names explicitly): resuming keeps the stored model, so the user would silently train another model."""
+    names explicitly): resuming keeps the stored model, so the user would silently train another model.
+    `new_run`: the verb's flag for a run of its own."""
     ckpt_root = Path(out_dir) / "checkpoints"
     latest = latest_checkpoint(ckpt_root, verify=False) if ckpt_root.is_dir() else None
     if latest is None or not (latest / "config.json").exists():
@@ -346,7 +347,7 @@ def check_resumed_model(out_dir: str | Path, asked: ModelConfig, named_by: str) 
             return ", ".join(f"{k}={getattr(cfg, k)!r}" for k in differ[:3]) + (", …" if len(differ) > 3 else "")
 
         raise UserError(f"{out_dir} holds a run of another model: it has {listed(stored)} ({latest.name}); "
-                        f"{named_by} asks for {listed(asked)}. A resumed run keeps its model: pass --name NAME "
+                        f"{named_by} asks for {listed(asked)}. A resumed run keeps its model: pass {new_run} "
                         f"for a new run, or --no-resume to start {out_dir} over")
 
 

@@ -79,3 +79,22 @@ def test_short_run_end_to_end_and_resume(tmp_path, capsys):
     assert json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["step"] == 0
     main([*common, "--steps", "3"])  # finished: says so, trains nothing
     assert "nothing to train" in capsys.readouterr().out and len(read_metrics(out / "metrics.jsonl")) == 4
+
+
+def test_a_directory_holding_another_models_run_is_refused(tmp_path, capsys):
+    """Resuming keeps the stored model: --base of another model into that --out-dir would silently train the old
+    one (the README's second snippet once did, ending in a size-mismatch traceback)."""
+    from seekforge.config import preset
+    from seekforge.model.hf import save_hf
+    from seekforge.model.model import build_model
+    from seekforge.model.tokenizer import load_tokenizer
+    from seekforge.train.checkpoint import save_checkpoint
+
+    byte = dict(vocab_size=320, bos_token_id=256, eos_token_id=257)
+    save_hf(build_model(preset("tiny", **byte), seed=0), tmp_path / "base")
+    load_tokenizer("byte").save(tmp_path / "base")
+    save_checkpoint(tmp_path / "run" / "checkpoints", 1, build_model(preset("tiny", num_hidden_layers=2, **byte)))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["grpo", "--base", str(tmp_path / "base"), "--out-dir", str(tmp_path / "run"), "--steps", "1"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "holds a run of another model" in err and "--out-dir DIR" in err, err
