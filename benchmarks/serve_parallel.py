@@ -57,7 +57,7 @@ def _rank(rank: int, world: int, tmp: str, args) -> None:
                             timeout=datetime.timedelta(seconds=600))
     try:
         from seekforge.model.model import build_model
-        from seekforge.rl.trainer import shard_policy
+        from seekforge.rl.collectives import shard_policy
         from seekforge.serve.distributed import DistributedEngine, build
 
         result = {}

@@ -105,13 +105,13 @@ def test_distributed_engine_greedy_equals_single_device(checkpoint, reference):
 
 
 def _train_then_sync(checkpoint: str, tp: int, dp_attention: int, ep: int):
-    """The GRPO trainer's policy layout under torchrun (FSDP2 over both ranks, rl/trainer.shard_policy)
+    """The GRPO trainer's policy layout under torchrun (FSDP2 over both ranks, rl/collectives.shard_policy)
     takes one optimizer step; its weights then reach an engine in another layout in memory."""
     from dist_harness import batches
 
     from seekforge.model.dtensor import plain_tensor
     from seekforge.model.loss import lm_loss
-    from seekforge.rl.trainer import shard_policy
+    from seekforge.rl.collectives import shard_policy
     from seekforge.serve.distributed import DistributedEngine, build
 
     cfg, rank = model_config(), dist.get_rank()
