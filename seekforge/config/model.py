@@ -187,12 +187,21 @@ PRESETS: dict[str, dict[str, Any]] = {
                  qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8,
                  n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
                  first_k_dense_replace=1, num_nextn_predict_layers=1, max_position_embeddings=512),
-    # Benchmarks and the default pretraining run: ~45M parameters, 16 experts, top-4.
+    # Benchmarks: ~45M parameters, 16 experts, top-4.
     "small": dict(vocab_size=4096, hidden_size=512, intermediate_size=1408, moe_intermediate_size=256,
                   num_hidden_layers=6, num_attention_heads=8, q_lora_rank=192, kv_lora_rank=128,
                   qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, n_routed_experts=16,
                   n_shared_experts=1, num_experts_per_tok=4, n_group=4, topk_group=2,
                   first_k_dense_replace=1, num_nextn_predict_layers=1, max_position_embeddings=2048),
+    # `seekforge pretrain` with no --config or --preset: `small` narrowed to hidden 192 and 4 layers (still MLA,
+    # 16 experts top-4 in 4 groups, MTP), ~3.6M parameters. Sized for the slower of the CPUs users have: a
+    # 2-core AVX2 machine trains in fp32 at ~70 GFLOP/s peak, so its 300-step default run must cost < ~10 TFLOP to
+    # end within 5 minutes.
+    "mini": dict(vocab_size=4096, hidden_size=192, intermediate_size=576, moe_intermediate_size=96,
+                 num_hidden_layers=4, num_attention_heads=4, q_lora_rank=64, kv_lora_rank=64,
+                 qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=16,
+                 n_shared_experts=1, num_experts_per_tok=4, n_group=4, topk_group=2,
+                 first_k_dense_replace=1, num_nextn_predict_layers=1, max_position_embeddings=2048),
     "v2-lite": dict(vocab_size=102400, hidden_size=2048, intermediate_size=10944,
                     moe_intermediate_size=1408, num_hidden_layers=27, num_attention_heads=16,
                     num_key_value_heads=16, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128,

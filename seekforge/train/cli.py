@@ -11,7 +11,6 @@ The run itself is train/pretrain.py; this module turns the command line into its
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from pathlib import Path
 
 from seekforge.config import TrainConfig, parse_parallel
@@ -36,15 +35,9 @@ _FLAGS = [
     ("--probe", "probe", str, "probe config YAML: module dumps, training monitor, metrics port (seekforge probe)"),
 ]
 _DEFAULTS = TrainConfig()
-# `seekforge pretrain` without --config or --preset: the `small` preset shrunk to hidden 192 and 4
-# layers (still MLA, 16 experts top-4 in 4 groups, MTP), 300 steps of 8 × 256 tokens with a
-# warmup-stable-decay schedule. Sized for the slower of the CPUs users have: a 2-core AVX2 machine
-# trains in fp32 at ~70 GFLOP/s peak, so the run must cost < ~10 TFLOP to end within 5 minutes;
-# this one costs 9.1 (the earlier hidden-256, 500-step default cost 23.7 for a 4% lower final loss).
-DEFAULT_RUN_MODEL = dict(hidden_size=192, num_hidden_layers=4, intermediate_size=576, moe_intermediate_size=96,
-                         num_attention_heads=4, q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32,
-                         qk_rope_head_dim=16, v_head_dim=32)
-DEFAULT_RUN = dict(steps=300, schedule="wsd", lr=4e-3, min_lr=2e-4, warmup=20)
+# `seekforge pretrain` without --config or --preset: the `mini` preset (config/model.py says how it is sized),
+# 300 steps of 8 × 256 tokens with a warmup-stable-decay schedule; its cost is ~9 TFLOP.
+DEFAULT_RUN = dict(preset="mini", steps=300, schedule="wsd", lr=4e-3, min_lr=2e-4, warmup=20)
 
 
 def on_interrupt(args) -> str:
@@ -57,14 +50,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "Pretrain a DeepSeek-V3-architecture model. Settings come from TrainConfig defaults, then "
         "--config (YAML or TOML, keys = TrainConfig fields, a `model:` table overrides ModelConfig "
         "keys), then --preset and the flags below, then --set key=value (last wins). Without "
-        "--config or --preset: the `small` preset shrunk to hidden 192 / 4 layers (MLA, 16 experts "
+        "--config or --preset: the `mini` preset (hidden 192, 4 layers; MLA, 16 experts "
         "top-4, MTP), 300 steps on the built-in text corpus, under 5 minutes on 2 CPU cores. "
         "An existing run in --out-dir is resumed from its latest checkpoint (--no-resume to restart)."
     )
     # Flags default to SUPPRESS so that only what the user typed overrides the config file.
     p.add_argument("--config", default=argparse.SUPPRESS, help="YAML or TOML file of TrainConfig fields")
     p.add_argument("--preset", default=argparse.SUPPRESS,
-                   help=f"model preset: tiny | small | v2-lite | v3-671b (default: {_DEFAULTS.preset})")
+                   help=f"model preset: tiny | mini | small | v2-lite | v3-671b (default: {DEFAULT_RUN['preset']}; "
+                        f"{_DEFAULTS.preset} with --config)")
     p.add_argument("--name", default=argparse.SUPPRESS, help="run name: same as --out-dir runs/NAME")
     for flag, field, kind, text in _FLAGS:
         default = getattr(_DEFAULTS, field)
@@ -98,25 +92,16 @@ def config_from_args(args) -> TrainConfig:
                                                                               "checkpoint_fallback", "preset"])
     if "name" in given:
         updates["out_dir"] = str(Path("runs") / given["name"])
-    default_run = "config" not in given and "preset" not in given
-    if default_run:
-        updates = {**DEFAULT_RUN, **updates, "model": dict(DEFAULT_RUN_MODEL)}
+    if "config" not in given and "preset" not in given:  # the default run
+        updates = {**DEFAULT_RUN, **updates}
     if "parallel" in given:
         updates["parallel"] = parse_parallel(given["parallel"])
-    user_model = overrides.get("model", {})
     cfg = load_config(TrainConfig, path, updates, overrides)  # tables (model, parallel) merge key by key
-    if default_run and cfg.resume:
-        from seekforge.train.checkpoint import step_dirs
-
-        checkpoints = Path(cfg.out_dir) / "checkpoints"
-        if checkpoints.is_dir() and ((checkpoints / "latest").exists() or step_dirs(checkpoints)):
-            # resuming a run (one of another model, say, from `seekforge convert`): its own model, not the default
-            # run's, which the user did not ask for; the model keys they did set are still checked against it
-            cfg = dataclasses.replace(cfg, model=user_model)
-    if "preset" in given and cfg.resume and not given.get("dry_run"):  # resuming another model would train that one
+    named_by = f"--preset {given['preset']}" if "preset" in given else f"--config {path}" if path else None
+    if named_by and cfg.resume and not given.get("dry_run"):  # resuming another model would train that one
         from seekforge.train.checkpoint import check_resumed_model
 
-        check_resumed_model(cfg.out_dir, cfg.model_config(), f"--preset {given['preset']}")
+        check_resumed_model(cfg.out_dir, cfg.model_config(), named_by)
     return cfg
 
 

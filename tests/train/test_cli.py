@@ -251,3 +251,18 @@ def test_pretrain_returns_the_metrics_of_each_step_it_ran(tmp_path):
     history = pretrain(cfg)
     assert len(history) == 2 and all(record["loss"] > 0 for record in history)
     assert pretrain(cfg) == []  # resumed at step 2 of 2: nothing left to train
+
+
+def test_a_config_file_of_another_model_does_not_resume_a_run_silently(tmp_path, capsys):
+    """As an explicit --preset: the file names a model, the directory holds a run of another; say --name/--no-resume."""
+    from seekforge.config import preset
+    from seekforge.model.model import build_model
+    from seekforge.train.checkpoint import save_checkpoint
+
+    save_checkpoint(tmp_path / "run" / "checkpoints", 1, build_model(preset("tiny", num_hidden_layers=2), seed=3))
+    config = tmp_path / "run.yaml"
+    config.write_text(f"preset: tiny\nout_dir: {tmp_path / 'run'}\nsteps: 2\n")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["pretrain", "--config", str(config)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and f"--config {config}" in err and "--no-resume" in err, err
