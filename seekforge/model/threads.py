@@ -6,14 +6,15 @@ region ends in a barrier where the threads wait for the slowest. torch's CPU whe
 finds them awake. On a quiet machine that spinning is free. When other processes keep the cores busy it is not:
 the spinning threads stay runnable, take their share of the cores from the thread doing the work, and every barrier
 waits for a thread that the scheduler has put off for a time slice. On a shared 2-core machine two threads then
-decoded about 100x slower than one (benchmarks/serve_load.py, BENCHMARKS.md).
+decoded 50-100x slower than one (benchmarks/serve_load.py, BENCHMARKS.md).
 
 `configure_openmp` sets OMP_WAIT_POLICY=PASSIVE: an idle thread sleeps at once. It then holds no core while it
 waits, and a thread that mostly sleeps is the one the scheduler runs first when it wakes, ahead of the busy
 processes. A shorter spin (GOMP_SPINCOUNT=10000) kept most of the collapse. One thread, which has no barrier at all,
-did no better than two sleeping ones beside the same load, so `default_threads` does not drop threads on a busy
-machine: it counts the cores this process may use (its CPU affinity, and a cgroup's CPU quota, which OpenMP's own
-default ignores). The count is fixed at start: a compiled step's kernels are generated for one thread count.
+was as often slower as faster than two sleeping ones beside the same load on 2 cores, and more threads pay on a
+larger machine, so `default_threads` does not drop threads on a busy one: it counts the cores this process may use
+(its CPU affinity, and a cgroup's CPU quota, which OpenMP's own default ignores). The count is fixed at start: a
+compiled step's kernels are generated for one thread count.
 
 OpenMP reads its settings once, when it is loaded, i.e. at `import torch`: configure_openmp must run before torch is
 imported (seekforge's CLI calls it first), and this module imports no torch. OMP_NUM_THREADS, OMP_WAIT_POLICY or
