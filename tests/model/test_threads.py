@@ -39,11 +39,12 @@ def test_wait_policy_set_passive_unless_the_user_chose():
 
 
 def test_wait_policy_reaches_the_openmp_runtime_when_set_before_torch():
-    # OMP_DISPLAY_ENV: libgomp prints the settings it read when it loads (at `import torch`)
+    # OMP_DISPLAY_ENV=VERBOSE: libgomp prints the settings it read when it loads (at `import torch`). Its
+    # OMP_WAIT_POLICY line says PASSIVE by default too; the spin count tells: 300000 by default, 0 when passive.
     code = ("from seekforge.model import threads; print(threads.configure_openmp())\n"
             "import torch; torch.ones(2).sum()")
     env = {k: v for k, v in os.environ.items() if k not in threads.WAIT_POLICY_VARIABLES}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True,
-                         env={**env, "PYTHONPATH": str(ROOT), "OMP_DISPLAY_ENV": "TRUE"})
+                         env={**env, "PYTHONPATH": str(ROOT), "OMP_DISPLAY_ENV": "VERBOSE"})
     assert "PASSIVE (idle threads sleep" in out.stdout
-    assert "OMP_WAIT_POLICY = 'PASSIVE'" in out.stderr + out.stdout
+    assert "GOMP_SPINCOUNT = '0'" in out.stderr + out.stdout
