@@ -1,10 +1,12 @@
-"""The first lines every benchmark prints: what machine and dtype its numbers belong to.
+"""The first lines every benchmark prints: what machine and dtype its numbers belong to, and how busy it was.
 
 CPUs differ by ~100x in bf16 matmul speed (native AVX512-BF16/AMX vs emulated on AVX2), so a number
-without the CPU capability, the dtype and that dtype's measured peak cannot be read."""
+without the CPU capability, the dtype and that dtype's measured peak cannot be read. Other processes on the
+cores slow a multi-threaded step by far more than their share (benchmarks/serve_load.py), hence the load average."""
 
 from __future__ import annotations
 
+import os
 import platform
 import time
 
@@ -37,7 +39,7 @@ def machine_header(dtype_name: str = "auto", probe_peak: bool = True,
     dtype, why = resolve_dtype(dtype_name, hidden_size=hidden_size)
     print(f"machine: {platform.machine()}, CPU capability {torch.backends.cpu.get_cpu_capability()} "
           f"(native bf16 matmul: {'yes' if cpu_has_native_bf16() else 'no'}), {torch.get_num_threads()} torch "
-          f"threads, torch {torch.__version__}")
+          f"threads, torch {torch.__version__}, load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     if not probe_peak:
         print(f"dtype: {why}")
         return dtype, float("nan")

@@ -36,6 +36,7 @@ shared machine's speed drifts by 20-30% within minutes, and the engines run one 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -189,6 +190,17 @@ c.main()
 """
 
 
+def converter_missing(peers: list[str], find_spec=importlib.util.find_spec) -> str | None:
+    """Why llama.cpp's GGUF step cannot run in this environment, or None: convert_hf_to_gguf.py imports
+    transformers at its top (and torch, numpy, which seekforge needs anyway), and a plain install of seekforge
+    has no transformers. Checked before any peer is installed, not after half an hour of installing."""
+    if "llamacpp" not in peers or find_spec("transformers") is not None:
+        return None
+    return ("llama.cpp's GGUF converter (convert_hf_to_gguf.py, run with this python) imports transformers, which "
+            f"this environment lacks: install it here ({sys.executable} -m pip install 'transformers>=5.0', "
+            "seekforge's `reference` extra), or leave llama.cpp out with --peers vllm")
+
+
 # ---------------------------------------------------------------------------------------- main side
 def seekforge_side(model, prompts: list[list[int]], new: int, compile: bool) -> dict:
     """compile: EngineConfig.compile (decode steps compiled; startup includes the compile, or its cache hit)."""
@@ -281,6 +293,8 @@ def main() -> None:
     unknown = set(peers) - set(WORKERS)
     if unknown:
         raise SystemExit(f"unknown peers {sorted(unknown)}; choose from {sorted(WORKERS)}")
+    if why := converter_missing(peers):
+        raise SystemExit(why)
     missing = [name for name in peers if args.skip_install and not (Path(args.envs) / name / "bin" / "python").exists()]
     if missing:  # before any model is built or any engine runs
         raise SystemExit(f"--skip-install, but no environment for {missing} under {args.envs}: run once without "

@@ -43,3 +43,26 @@ def test_converter_unpacked_from_the_sdist_layout(tmp_path):
     assert (out / "gguf-py" / "gguf" / "__init__.py").read_bytes() == b"# gguf"
     assert (out / "conversion" / "base.py").read_bytes() == b"# models"
     assert not (out / "src").exists()
+
+
+def test_a_missing_transformers_stops_before_any_install():
+    # llama.cpp's converter imports transformers; a plain install of seekforge lacks it
+    missing = serve_peers.converter_missing(["vllm", "llamacpp"], find_spec=lambda name: None)
+    assert "imports transformers" in missing and "pip install 'transformers>=5.0'" in missing
+    assert "--peers vllm" in missing
+    assert serve_peers.converter_missing(["vllm"], find_spec=lambda name: None) is None  # no GGUF step
+    assert serve_peers.converter_missing(["llamacpp"], find_spec=lambda name: object()) is None
+
+
+def test_the_run_stops_with_that_message_when_transformers_is_missing(tmp_path):
+    # a stand-in transformers that is not there: a module path entry where `transformers` imports as None
+    shadow = tmp_path / "shadow"
+    shadow.mkdir()
+    (shadow / "sitecustomize.py").write_text("import sys\nsys.modules['transformers'] = None\n")
+    env = {**os.environ, "PYTHONPATH": f"{shadow}{os.pathsep}{ROOT}", "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks/serve_peers.py"), "--skip-install",
+                          "--peers", "llamacpp", "--envs", str(tmp_path / "envs")], capture_output=True, text=True,
+                         cwd=ROOT, env=env, timeout=600)
+    assert out.returncode == 1
+    assert "imports transformers, which this environment lacks" in out.stderr
+    assert not (tmp_path / "envs").exists()  # nothing made, nothing installed
