@@ -9,12 +9,13 @@ qk_rope_head_dim 64, MTP off, random weights (seed 0), compiled decode steps (En
 `auto` picks (--dtype). One 128-token prompt, ms per decoded token = (time for --new-tokens − time for 1) /
 (--new-tokens − 1), --trials times; the median and the range are printed, with the load average beside them.
 
-Each row runs in a child process of its own (`--worker`): OpenMP reads its wait policy once, when torch is
-imported, and a compiled step's kernels are generated for one thread count.
+Each row's phase runs in a child process of its own (`--worker`), started quiet, or started once the background
+load runs: OpenMP reads its wait policy once, when torch is imported, and a compiled step's kernels are generated
+for one thread count, so seekforge decides both at start, as a server started on a quiet or a busy machine does.
   default, 1 / 2 threads   the OpenMP runtime's own wait policy (libgomp spins before it sleeps)
-  seekforge policy         threads.configure_openmp (OMP_WAIT_POLICY=PASSIVE) + threads.default_threads (the
-                           cores this process may use), as seekforge's CLI applies them
-each measured quiet, then with the background load.
+  seekforge policy         threads.configure_openmp (OMP_WAIT_POLICY=PASSIVE where other processes keep the cores
+                           busy at start, the runtime's default elsewhere) + threads.default_threads (the cores this
+                           process may use), as seekforge's CLI applies them
 Load: --busy processes (default 2, one per core here), each a Python busy loop that ends by itself after
 --load-seconds and is killed as soon as its measurement is done. "Quiet" means without them: other users of a
 shared machine still count, which the load average beside each timing shows.
@@ -62,7 +63,7 @@ def load_average() -> float:
 
 # ------------------------------------------------------------------------------------------- worker
 def worker(job: dict) -> dict:
-    """One row: set the wait policy and threads as the row says, build the engine, time each phase."""
+    """One row's phase: set the wait policy and threads as the row says, build the engine, time decoding."""
     if job["wait"] == "seekforge":
         from seekforge.model import threads
 
@@ -101,13 +102,9 @@ def worker(job: dict) -> dict:
             times.append(1000 * (time.perf_counter() - begin - one) / (job["new"] - 1))
         return times
 
-    phases = {}
-    for phase in ("quiet", "loaded"):
-        load = background_load(job["busy"], job["load_seconds"]) if phase == "loaded" else contextlib.nullcontext()
-        with load:
-            phases[phase] = {"ms": per_token_ms(), "load_average": load_average()}
     return {"threads": torch.get_num_threads(), "threads_why": threads_why, "wait_why": wait_why,
-            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"), "startup_s": startup, "phases": phases}
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"), "startup_s": startup,
+            "ms": per_token_ms(), "load_average": load_average()}
 
 
 def run_worker(job: dict, out_dir: Path) -> dict:
@@ -162,26 +159,29 @@ def main() -> None:
     results = {}
     for label, wait, threads in ROWS:
         job = {"label": label, "wait": wait, "threads": threads, "dtype": str(dtype).split(".")[-1],
-               "dry_run": args.dry_run, "prompt_len": prompt_len, "new": new, "trials": trials,
-               "busy": args.busy, "load_seconds": args.load_seconds}
-        results[label] = r = run_worker(job, Path(args.out_dir))
-        print(f"{label}: {r['threads']} threads ({r['threads_why']}); {r['wait_why']}; engine built in "
-              f"{r['startup_s']:.0f} s; " + "; ".join(f"{k} {cell(v)} ms/token" for k, v in r["phases"].items()),
-              flush=True)
+               "dry_run": args.dry_run, "prompt_len": prompt_len, "new": new, "trials": trials}
+        results[label] = {}
+        for phase in ("quiet", "loaded"):
+            load = background_load(args.busy, args.load_seconds) if phase == "loaded" else contextlib.nullcontext()
+            with load:
+                results[label][phase] = r = run_worker(job, Path(args.out_dir))
+            print(f"{label}, {phase}: {r['threads']} threads ({r['threads_why']}); {r['wait_why']}; engine built in "
+                  f"{r['startup_s']:.0f} s; {cell(r)} ms/token", flush=True)
     print_table(results)
 
 
 def print_table(results: dict) -> None:
-    print("\n| configuration | OMP_WAIT_POLICY | threads | quiet ms/token | loaded ms/token | loaded / quiet |")
+    print("\n| configuration | threads | OMP_WAIT_POLICY quiet / loaded | quiet ms/token | loaded ms/token | "
+          "loaded / quiet |")
     print("|---|---|---|---|---|---|")
     for label, r in results.items():
-        quiet, loaded = r["phases"]["quiet"], r["phases"]["loaded"]
-        print(f"| {label} | {r['omp_wait_policy']} | {r['threads']} | {cell(quiet)} | {cell(loaded)} | "
-              f"{ratio(quiet, loaded)} |")
-    ours = results["seekforge policy"]["phases"]
+        quiet, loaded = r["quiet"], r["loaded"]
+        print(f"| {label} | {quiet['threads']} | {quiet['omp_wait_policy']} / {loaded['omp_wait_policy']} | "
+              f"{cell(quiet)} | {cell(loaded)} | {ratio(quiet, loaded)} |")
+    ours = results["seekforge policy"]
     for phase in ("quiet", "loaded"):
         print(f"seekforge policy {phase}: " + ", ".join(
-            f"{ratio(r['phases'][phase], ours[phase])} the time of {label}" for label, r in results.items()
+            f"{ratio(r[phase], ours[phase])} the time of {label}" for label, r in results.items()
             if label != "seekforge policy"))
     print("(vLLM's CPU build took 1.5× its quiet time under a load average of 7-9 from other users; issue 41)")
 

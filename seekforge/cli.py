@@ -93,11 +93,16 @@ def main(argv: list[str] | None = None) -> None:
     if not argv or argv[0] not in VERBS:
         parser.parse_args(argv or ["--help"])
         return
+    # Before the verb imports torch: OpenMP reads its wait policy once, when torch loads it (model/threads.py).
+    from seekforge.model.threads import configure_openmp
+
+    openmp_policy = configure_openmp()
     module = verb_module(argv[0])
     verb_parser = argparse.ArgumentParser(prog=f"seekforge {argv[0]}", description=VERBS[argv[0]],
                                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     module.add_arguments(verb_parser)
     args = verb_parser.parse_args(argv[1:])
+    args.openmp_policy = openmp_policy  # for the verb's log
     try:
         module.run(args)
     except KeyboardInterrupt:  # Ctrl-C: one line (and how to go on, where the verb says), not a traceback

@@ -57,7 +57,9 @@ def add_arguments(p):
                         "scheduler and latent cache (world size = tp x dp-attention)")
     p.add_argument("--ep", type=int, default=1,
                    help="under torchrun: split the routed experts over groups of this many ranks (all-to-all dispatch)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (None: torch's choice)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: OMP_NUM_THREADS, else the cores this process may use: CPU "
+                        "affinity, cgroup quota)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"],
                    help="server log verbosity")
     p.add_argument("--trace-dir", default="traces", help="where POST /debug/trace and SIGUSR2 write profiler traces")
@@ -87,11 +89,15 @@ def parse_lora_modules(specs: list[str]) -> list[tuple[str, str]]:
 
 
 def apply_threads(args) -> None:
-    """--threads: torch's CPU threads for this process."""
-    if args.threads:
-        import torch
+    """torch's CPU threads for this process: --threads, else model/threads.default_threads. Before the model loads:
+    a compiled step's kernels are generated for one thread count."""
+    import torch
 
-        torch.set_num_threads(args.threads)
+    from seekforge.model.threads import default_threads
+
+    count, why = (args.threads, "--threads") if args.threads else default_threads()
+    torch.set_num_threads(count)
+    log.info("threads: %d (%s); %s", count, why, getattr(args, "openmp_policy", "OpenMP wait policy: as set"))
 
 
 def run(args):

@@ -52,4 +52,4 @@ def test_dry_run_prints_every_row(tmp_path):
     assert out.stdout.startswith("machine:") and "load average" in out.stdout.splitlines()[0]
     table = [line.split("|")[1].strip() for line in out.stdout.splitlines() if line.startswith("| ")][1:]
     assert table == [label for label, *_ in serve_load.ROWS]
-    assert "PASSIVE" in out.stdout and "loaded / quiet" in out.stdout
+    assert "PASSIVE" in out.stdout and "loaded / quiet" in out.stdout  # started beside the busy loops: passive
