@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
 from seekforge.data.corpora import ArithmeticTask
+from seekforge.errors import UserError
 from seekforge.rl.rewards import RewardFn, arithmetic_reward, resolve_reward
 
 BUILTIN = "builtin:arithmetic"
@@ -90,9 +91,11 @@ class ArithmeticPrompts:
         return arithmetic_reward(sample.prompt, completion, **sample.meta)
 
     def state_dict(self) -> dict:
-        return {"position": self.position}
+        return {"position": self.position, "data": BUILTIN}
 
     def load_state_dict(self, state: dict) -> None:
+        if state.get("data", BUILTIN) != BUILTIN:  # checkpoints from before the key existed trained on BUILTIN
+            raise _other_data(state["data"], BUILTIN)
         self.position = int(state["position"])
 
 
@@ -135,14 +138,21 @@ class JsonlPrompts:
 
     def state_dict(self) -> dict:
         return {"position": self.position, "num_prompts": len(self._train) + len(self.eval_set),
-                "sha256": self.fingerprint}
+                "sha256": self.fingerprint, "data": str(self.path)}
 
     def load_state_dict(self, state: dict) -> None:
+        if "sha256" not in state:  # a run on the built-in task
+            raise _other_data(state.get("data", BUILTIN), str(self.path))
         if state["sha256"] != self.fingerprint:
             raise ValueError(f"the checkpoint's run trained on another version of {self.path} ({state['num_prompts']} "
                              f"prompts, sha256 {state['sha256'][:12]}…; now {len(self._train) + len(self.eval_set)}, "
                              f"{self.fingerprint[:12]}…); restore that file, or start over with --no-resume")
         self.position = int(state["position"])
+
+
+def _other_data(saved: str, asked: str) -> UserError:
+    return UserError(f"the checkpoint's run trained on {saved}, and this one asks for {asked}: a resumed run keeps "
+                     "its data; give this run its own --out-dir, or start over with --no-resume")
 
 
 def _row(path: Path, number: int, line: str) -> Sample:

@@ -377,7 +377,9 @@ def load_checkpoint(path: str | Path, model, optimizer=None, scheduler=None, loa
     if scheduler is not None and has("trainer.scheduler"):
         state["trainer"]["scheduler"] = scheduler.state_dict()
     if loader is not None and has_optim and has("trainer.loader"):
-        state["trainer"]["loader"] = loader.state_dict()
+        # Only the keys the checkpoint has: the loader's load_state_dict then says what differs (another dataset,
+        # another version of it) in its own words, instead of DCP failing on a missing key.
+        state["trainer"]["loader"] = {k: v for k, v in loader.state_dict().items() if f"trainer.loader.{k}" in saved}
     try:
         with _quiet_dcp():
             dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafePlanner())

@@ -101,3 +101,22 @@ def test_grpo_data_flag_fails_before_any_model(tmp_path, monkeypatch, capsys, da
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0]
     assert not (tmp_path / "run").exists()
+
+
+def test_resuming_on_other_data_says_so(tmp_path):
+    """A run's --out-dir resumed with another --data: one message naming both, not DCP's missing-key traceback."""
+    from seekforge.errors import UserError
+
+    data = write_prompts(tmp_path / "prompts.jsonl", 12)
+    builtin_run = small_config(tmp_path, steps=1, save_interval=1, out_dir=str(tmp_path / "builtin"))
+    make_trainer(builtin_run).fit(progress=False)
+    other = small_config(tmp_path, data=str(data), rewards=[f"{__name__}:column_reward"], eval_prompts=3, steps=2,
+                         out_dir=str(tmp_path / "builtin"))
+    with pytest.raises(UserError, match=r"trained on builtin:arithmetic, and this one asks for .*prompts.jsonl"):
+        make_trainer(other).resume()
+
+    jsonl_run = small_config(tmp_path, data=str(data), rewards=[f"{__name__}:column_reward"], eval_prompts=3,
+                             steps=1, save_interval=1, out_dir=str(tmp_path / "jsonl"))
+    make_trainer(jsonl_run).fit(progress=False)
+    with pytest.raises(UserError, match=r"trained on .*prompts.jsonl, and this one asks for builtin:arithmetic"):
+        make_trainer(small_config(tmp_path, steps=2, out_dir=str(tmp_path / "jsonl"))).resume()
