@@ -30,6 +30,9 @@ VERBS = {
     "grpo": "GRPO post-training with co-located rollouts (built-in task by default)",
 }
 
+# The verbs that run a model on this machine's cores: they choose OpenMP's wait policy at start (model/threads.py).
+COMPUTE_VERBS = {"generate", "pretrain", "serve", "quantize", "eval", "grpo", "probe"}
+
 
 def verb_module(verb: str) -> ModuleType:
     """The module that serves `verb` (a key of VERBS)."""
@@ -93,10 +96,12 @@ def main(argv: list[str] | None = None) -> None:
     if not argv or argv[0] not in VERBS:
         parser.parse_args(argv or ["--help"])
         return
-    # Before the verb imports torch: OpenMP reads its wait policy once, when torch loads it (model/threads.py).
-    from seekforge.model.threads import configure_openmp
+    openmp_policy = "OpenMP wait policy: the runtime's default"
+    if argv[0] in COMPUTE_VERBS and not {"-h", "--help"} & set(argv[1:]):
+        # Before the verb imports torch: OpenMP reads its wait policy once, when torch loads it (model/threads.py).
+        from seekforge.model.threads import configure_openmp
 
-    openmp_policy = configure_openmp()
+        openmp_policy = configure_openmp()
     module = verb_module(argv[0])
     verb_parser = argparse.ArgumentParser(prog=f"seekforge {argv[0]}", description=VERBS[argv[0]],
                                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)

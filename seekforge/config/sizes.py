@@ -4,7 +4,7 @@ balancer and strategy search.
 
 A model is a list of `Unit`s in forward order: the embedding, the main layers (dense or MoE), the
 final norm with the head, then each MTP module (its block, projections, norms, and a second call of
-the shared head). tests/model/test_config.py checks every unit against a built model's parameters.
+the shared head). tests/model/test_sizes.py checks every unit against a built model's parameters.
 
 FLOPs follow the PaLM appendix B convention (as torchtitan): a matmul of an (n, k) by a (k, m) costs
 2nkm forward and twice that backward (input gradient + weight gradient, equal halves); the attention

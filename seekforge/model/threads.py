@@ -6,7 +6,7 @@ region ends in a barrier where the threads wait for the slowest. torch's CPU whe
 finds them awake. On a quiet machine that spinning is free. When other processes keep the cores busy it is not:
 the spinning threads stay runnable, take their share of the cores from the thread doing the work, and every barrier
 waits for a thread that the scheduler has put off for a time slice. On a shared 2-core machine two threads then
-decoded 50-100x slower than one (benchmarks/serve_load.py, BENCHMARKS.md).
+decoded many times slower than one (benchmarks/serve_load.py, BENCHMARKS.md).
 
 Sleeping has its price: waking a sleeping thread costs far more than a spin (on a virtual machine's idle vCPU most
 of all), and a decode step wakes them hundreds of times: on a quiet 2-core VM, two sleeping-at-barriers threads
@@ -65,10 +65,17 @@ def others_busy_cores(seconds: float = PROBE_SECONDS) -> float:
     (0 where there is no /proc/stat: macOS, Windows)."""
     if not Path("/proc/stat").exists():
         return 0.0
-    cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    cores = affine_cores()
     before = read_cpu_times()
     time.sleep(seconds)
     return busy_cores(before, read_cpu_times(), cores)
+
+
+def affine_cores() -> set[int]:
+    """The core ids this process may run on (every core where the system cannot say: macOS has no affinity)."""
+    if hasattr(os, "sched_getaffinity"):
+        return os.sched_getaffinity(0)
+    return set(range(os.cpu_count() or 1))
 
 
 def read_cpu_times(stat: str | None = None) -> dict[int, tuple[int, int]]:
@@ -99,8 +106,8 @@ def busy_cores(before: dict[int, tuple[int, int]], after: dict[int, tuple[int, i
 def usable_cores(affinity: set[int] | None = None, cpu_max: str | None = None) -> int:
     """The cores this process may run on: its CPU affinity (taskset, a container's cpuset), capped by a cgroup v2
     CPU quota (`docker --cpus 1.5` → 1). affinity, cpu_max: given in tests, read from the system otherwise."""
-    if affinity is None:  # macOS has no affinity: every core
-        affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    if affinity is None:
+        affinity = affine_cores()
     if cpu_max is None:
         path = Path("/sys/fs/cgroup/cpu.max")
         cpu_max = path.read_text() if path.exists() else "max"

@@ -27,8 +27,9 @@ import torch.distributed as dist
 from torch import nn
 
 from seekforge.config import ModelConfig, ParallelConfig
-from seekforge.model.model import RotaryEmbedding, build_model, rope_inv_freq
+from seekforge.model.model import build_model
 from seekforge.model.moe import MoE
+from seekforge.model.rope import RotaryEmbedding, rope_inv_freq
 from seekforge.parallel.layout import Box, describe_layout, named_tensors, tensor_placement
 
 BLOCK_ELEMENTS = 2**20

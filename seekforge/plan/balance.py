@@ -80,7 +80,7 @@ class Balance:
 def analytic_costs(cfg: ModelConfig, pc: ParallelConfig, micro_batch_size: int, seq_len: int,
                    flops_per_second: float, dtype: str = "bf16", optimizer_bytes: int = 4,
                    flash_attention: bool = True) -> LayerCosts:
-    """Layer costs from FLOPs (plan/shapes.py) at `flops_per_second` per device and bytes from
+    """Layer costs from FLOPs (config/sizes.py) at `flops_per_second` per device and bytes from
     plan/memory.py's per-unit model; micro_batch_size is one pipeline micro-batch."""
     shape = mem.UnitBytes(cfg, pc, micro_batch_size, seq_len, 2 if dtype == "bf16" else 4, 1.0, flash_attention)
     tokens = micro_batch_size * seq_len

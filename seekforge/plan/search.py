@@ -2,7 +2,7 @@
 layout that fits the device memory, ranked by predicted tokens per second.
 
 Time model (per training step, one global batch):
-  compute   the step's FLOPs on one device (plan/shapes.py; recompute adds the forward it reruns) at
+  compute   the step's FLOPs on one device (config/sizes.py; recompute adds the forward it reruns) at
             the cluster's achievable FLOP/s;
   pipeline  the schedule simulated with equal stages (plan/schedule.py): step = simulated time of
             m micro-batches, so the bubble is the schedule's own;

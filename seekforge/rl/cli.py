@@ -95,7 +95,7 @@ def run(args) -> None:
                          f"(`seekforge grpo --out-dir {cfg.out_dir}` writes {built_in_base})")
     owns_process_group = world_size > 1 and not dist.is_initialized()
     if owns_process_group:
-        init_distributed()  # one policy replica and one engine per rank (rl/trainer.py)
+        init_distributed()  # one engine per rank; the policy FSDP-sharded over them (rl/collectives.py)
     try:
         _grpo(cfg)
     finally:

@@ -205,5 +205,5 @@ def run(args):
         with open(args.result_json, "w") as f:
             json.dump(summary, f, indent=2)
     if summary["completed"] == 0:  # nothing was measured: a script must not read the zeros as a result
-        raise UserError(f"every request failed ({summary['failed']} of {summary['failed']}): "
+        raise UserError(f"all {summary['failed']} requests failed: "
                         f"{summary['errors'][0]}; fix that (see the server's log) and rerun")

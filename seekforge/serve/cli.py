@@ -6,7 +6,6 @@ from __future__ import annotations
 import gc
 import logging
 import os
-from pathlib import Path
 
 from seekforge.config import PRESETS
 from seekforge.model.precision import auto_dtype_help
@@ -43,9 +42,9 @@ def add_arguments(p):
     p.add_argument("--num-scheduler-steps", type=int, default=1,
                    help="N > 1: N decode steps per scheduler pass while no prefill waits")
     p.add_argument("--compile", action="store_true",
-                   help="run decode steps as torch.compile'd programs (needs a C++ compiler; ~2 min at start on 2 "
-                        "cores the first time, ~15 s from the compile cache after): on CPU ~1.7x faster decoding of "
-                        "one sequence, ~1.1x at 64; falls back to eager, with a warning, where compiling fails")
+                   help="run decode steps as torch.compile'd programs (needs a C++ compiler; minutes at start the "
+                        "first time, seconds from the compile cache after): faster decoding, most at batch 1 "
+                        "(BENCHMARKS.md); falls back to eager, with a warning, where compiling fails")
     p.add_argument("--enable-lora", action="store_true",
                    help="serve LoRA adapters (POST /v1/load_lora_adapter at run time); implied by --lora-modules")
     p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
@@ -95,13 +94,18 @@ def apply_threads(args) -> None:
 
     from seekforge.model.threads import default_threads
 
-    count, why = (args.threads, "--threads") if args.threads else default_threads()
+    if args.threads:
+        count, why = args.threads, "--threads"
+    else:  # never more than torch's own default (the physical cores): default_threads counts logical ones
+        count, why = default_threads()
+        if count > torch.get_num_threads():
+            count, why = torch.get_num_threads(), "torch's default: the physical cores"
     torch.set_num_threads(count)
     log.info("threads: %d (%s); %s", count, why, getattr(args, "openmp_policy", "OpenMP wait policy: as set"))
 
 
 def run(args):
-    from seekforge.model.load import model_width
+    from seekforge.model.load import checkpoint_dir, model_width
     from seekforge.model.precision import resolve_dtype
     from seekforge.quant.load import load_model  # quantized checkpoints too
     from seekforge.serve.engine import LLMEngine
@@ -110,9 +114,8 @@ def run(args):
     # flags that need no model are checked before the model loads
     limits.limits_from_args(args)
     parse_lora_modules(args.lora_modules)
-    if args.model not in PRESETS and not Path(args.model).is_dir():
-        raise ValueError(f"--model {args.model!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint "
-                         "directory")
+    if args.model not in PRESETS:
+        checkpoint_dir(args.model)  # a path that is no checkpoint fails before threads, dtype and ranks
     apply_threads(args)
     dtype, why = resolve_dtype(args.dtype, hidden_size=model_width(args.model))
     log.info("dtype: %s", why)

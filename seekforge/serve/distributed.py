@@ -240,7 +240,7 @@ def build(name_or_path: str, tp: int, dp_attention: int, ep: int, dtype: torch.d
     """Join the torchrun job (or the process group already up) and build this rank's part of the
     engine: its shards of the weights (read from the checkpoint's slices, or a preset's random weights)
     and its scheduler or runner. Bad layouts fail before anything is built."""
-    from seekforge.model.load import check_tokenizer_fits, checkpoint_config
+    from seekforge.model.load import checkpoint_config, checkpoint_tokenizer
     from seekforge.model.tokenizer import load_tokenizer
     from seekforge.parallel.mesh import init_distributed
     from seekforge.parallel.serving import (
@@ -276,10 +276,7 @@ def build(name_or_path: str, tp: int, dp_attention: int, ep: int, dtype: torch.d
 
         read = read_hf_shards(path, shards)
         log.info("rank %d read %.1f MiB of its shards from %s", groups.rank, read / 2**20, path)
-        has_hf_tokenizer = (path / "tokenizer.json").exists()
-        tokenizer = load_tokenizer(path if has_hf_tokenizer else "byte")
-        check_tokenizer_fits(tokenizer, cfg, path / "tokenizer.json" if has_hf_tokenizer else "byte",
-                             path / "config.json")
+        tokenizer = checkpoint_tokenizer(path, cfg)
     return RankEngine(model, tokenizer, config, groups, control, layout)
 
 

@@ -326,8 +326,6 @@ def latest_pointer_problem(ckpt_root: Path) -> str | None:
     return f"{pointer} names {name!r}, which is not a checkpoint directory here; {fix}"
 
 
-# Set from the tokenizer when a run starts (train/pretrain.resolve_model_config), not by the model asked for;
-# `extra` holds the HF config's other keys.
 # Set by the tokenizer (vocabulary, special ids), carried for HF round trips only (MLA ignores num_key_value_heads;
 # an HF export writes num_attention_heads there), or not the model's shape (extra).
 _NOT_ASKED_FOR = ("vocab_size", "bos_token_id", "eos_token_id", "num_key_value_heads", "extra")

@@ -11,6 +11,7 @@ The run itself is train/pretrain.py; this module turns the command line into its
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 from seekforge.config import TrainConfig, parse_parallel
@@ -111,7 +112,10 @@ def run(args) -> None:
         from seekforge.train.pretrain import run_model
 
         cfg = config_from_args(args)
-        model_cfg, _, _ = run_model(cfg)  # the model the run would train: the tokenizer's vocab, or the resumed one
+        # The model the run would train, with the tokenizer's vocab: the one a --preset or --config names (a run
+        # would refuse a directory holding another), else the run to resume's own.
+        named = "preset" in vars(args) or "config" in vars(args)
+        model_cfg, _, _ = run_model(dataclasses.replace(cfg, resume=False) if named else cfg)
         print(dry_run(model_cfg, cfg.parallel_config()))
         return
     from seekforge.train.pretrain import pretrain  # torch.distributed, data and model: only when it runs

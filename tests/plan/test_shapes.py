@@ -1,5 +1,5 @@
 """plan/shapes.py's recompute arithmetic (the units and their FLOPs are config/sizes.py's, tested in
-tests/model/test_config.py)."""
+tests/model/test_sizes.py)."""
 
 from seekforge.config import preset
 from seekforge.plan.shapes import model_units, recompute_flops, unit_flops

@@ -76,4 +76,4 @@ def test_bench_serve_fails_when_every_request_fails(small_cache_server, capsys):
               "--num-prompts", "3", "--input-len", "4", "--output-len", "2"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert "every request failed (3 of 3)" in err and "HTTP 404" in err and "Traceback" not in err, err
+    assert "all 3 requests failed" in err and "HTTP 404" in err and "Traceback" not in err, err

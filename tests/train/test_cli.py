@@ -218,7 +218,12 @@ def test_a_new_snippet_in_a_finished_runs_directory_says_pass_name(tmp_path, cap
         err = capsys.readouterr().err
         assert exit_info.value.code == 2 and "--name" in err and "--no-resume" in err and "Traceback" not in err, err
     assert latest_checkpoint(tmp_path / "runs" / "default" / "checkpoints").name == "step_000001"
-    main(["pretrain", "--preset", "small", "--dry-run"])  # resumes nothing: no run to refuse
+    main(["pretrain", "--preset", "small", "--dry-run"])  # sizes small, not runs/default's stored model
+    from seekforge.config import ParallelConfig, preset
+    from seekforge.parallel.materialize import dry_run
+
+    byte_vocab = dict(vocab_size=320, bos_token_id=256, eos_token_id=257)
+    assert capsys.readouterr().out == dry_run(preset("small", **byte_vocab), ParallelConfig()) + "\n"
     main(["pretrain", *quick, "--preset", "small", "--name", "small", "--set", "model.num_hidden_layers=1"])
     assert latest_checkpoint(tmp_path / "runs" / "small" / "checkpoints").name == "step_000001"
 
