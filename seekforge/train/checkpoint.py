@@ -45,6 +45,7 @@ import sys
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -331,22 +332,25 @@ def latest_pointer_problem(ckpt_root: Path) -> str | None:
 _NOT_ASKED_FOR = ("vocab_size", "bos_token_id", "eos_token_id", "num_key_value_heads", "extra")
 
 
-def check_resumed_model(out_dir: str | Path, asked: ModelConfig, named_by: str, new_run: str = "--name NAME") -> None:
-    """Refuse to resume out_dir's run when its model is not `asked` (which `named_by`, e.g. --preset small,
-    names explicitly): resuming keeps the stored model, so the user would silently train another model.
-    `new_run`: the verb's flag for a run of its own."""
+def check_resumed_model(out_dir: str | Path, asked: ModelConfig | dict[str, Any], named_by: str,
+                        new_run: str = "--name NAME") -> None:
+    """Refuse to resume out_dir's run when its model is not the one asked for: resuming keeps the stored model, so
+    the user would silently train another. `asked`: a whole model that `named_by` (e.g. --preset small) names, or
+    only the model keys a config sets. `new_run`: the verb's flag for a run of its own."""
     ckpt_root = Path(out_dir) / "checkpoints"
     latest = latest_checkpoint(ckpt_root, verify=False) if ckpt_root.is_dir() else None
     if latest is None or not (latest / "config.json").exists():
         return
     stored = ModelConfig.from_hf(latest)
-    differ = [f.name for f in dataclasses.fields(ModelConfig)
-              if f.name not in _NOT_ASKED_FOR and getattr(stored, f.name) != getattr(asked, f.name)]
+    if isinstance(asked, ModelConfig):
+        asked = {f.name: getattr(asked, f.name) for f in dataclasses.fields(ModelConfig)
+                 if f.name not in _NOT_ASKED_FOR}
+    differ = [key for key, value in asked.items() if getattr(stored, key, value) != value]
     if differ:
-        def listed(cfg):
-            return ", ".join(f"{k}={getattr(cfg, k)!r}" for k in differ[:3]) + (", …" if len(differ) > 3 else "")
+        def listed(values):
+            return ", ".join(f"{k}={values[k]!r}" for k in differ[:3]) + (", …" if len(differ) > 3 else "")
 
-        raise UserError(f"{out_dir} holds a run of another model: it has {listed(stored)} ({latest.name}); "
+        raise UserError(f"{out_dir} holds a run of another model: it has {listed(vars(stored))} ({latest.name}); "
                         f"{named_by} asks for {listed(asked)}. A resumed run keeps its model: pass {new_run} "
                         f"for a new run, or --no-resume to start {out_dir} over")
 

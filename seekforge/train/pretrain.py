@@ -35,7 +35,7 @@ from seekforge.model.precision import resolve_dtype
 from seekforge.model.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from seekforge.parallel.mesh import build_mesh, init_distributed
 from seekforge.parallel.parallelize import parallelize
-from seekforge.train.checkpoint import latest_checkpoint, step_dirs
+from seekforge.train.checkpoint import check_resumed_model, latest_checkpoint, step_dirs
 from seekforge.train.config_file import train_config_to_dict
 from seekforge.train.metrics import start_over
 from seekforge.train.optim import lr_at
@@ -56,13 +56,7 @@ def run_model(cfg: TrainConfig) -> tuple[ModelConfig, ByteTokenizer | HFTokenize
     if latest is not None and (latest / "config.json").exists():
         model_cfg = ModelConfig.from_hf(latest)
         check_tokenizer_fits(tokenizer, model_cfg, cfg.tokenizer, latest / "config.json")
-        changed = {key: value for key, value in cfg.model.items() if getattr(model_cfg, key, value) != value}
-        if changed:
-            raise UserError(
-                f"{cfg.out_dir} holds a run whose model has "
-                f"{', '.join(f'{k}={getattr(model_cfg, k)!r}' for k in changed)} ({latest.name}); this config asks "
-                f"for {', '.join(f'{k}={v!r}' for k, v in changed.items())}. A resumed run keeps its model: drop "
-                "those model settings, or start a new run (--no-resume, or another --out-dir)")
+        check_resumed_model(cfg.out_dir, cfg.model, "the config's model table (--set model.KEY=...)")
         return model_cfg, tokenizer, latest
     special = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
     model_cfg = cfg.model_config() if "vocab_size" in cfg.model else cfg.model_config(
