@@ -84,10 +84,6 @@ def config_to_dict(cfg) -> dict[str, Any]:
     return {key: list(value) if isinstance(value, tuple) else value for key, value in dataclasses.asdict(cfg).items()}
 
 
-def train_config_to_dict(cfg: TrainConfig) -> dict[str, Any]:
-    return config_to_dict(cfg)
-
-
 def _coerce(name: str, default: Any, value: Any) -> Any:
     """Check a value against the field's default type: ints are accepted where floats are, a number in a
     string where a float is (YAML 1.1 reads `1e-3` as one), one item where a list is (--set rewards=format)."""

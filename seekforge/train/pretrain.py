@@ -36,7 +36,7 @@ from seekforge.model.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from seekforge.parallel.mesh import build_mesh, init_distributed
 from seekforge.parallel.parallelize import parallelize
 from seekforge.train.checkpoint import check_resumed_model, latest_checkpoint, step_dirs
-from seekforge.train.config_file import train_config_to_dict
+from seekforge.train.config_file import config_to_dict
 from seekforge.train.metrics import start_over
 from seekforge.train.optim import lr_at
 from seekforge.train.trainer import Trainer, prepare_model
@@ -206,7 +206,7 @@ def _train(cfg: TrainConfig, pc: ParallelConfig | None, model_cfg: ModelConfig, 
         start_over(out_dir, "loss.png")
     if is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "train_config.yaml").write_text(yaml.safe_dump(train_config_to_dict(cfg), sort_keys=False))
+        (out_dir / "train_config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
     if pc is not None:
         dist.barrier()  # the fresh-start cleanup is done before any rank saves
 

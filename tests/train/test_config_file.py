@@ -2,7 +2,7 @@ import pytest
 import yaml
 
 from seekforge.config import TrainConfig
-from seekforge.train.config_file import load_train_config, parse_overrides, train_config_to_dict
+from seekforge.train.config_file import config_to_dict, load_train_config, parse_overrides
 
 
 def _write_toml(cfg_dict: dict, path):
@@ -36,19 +36,19 @@ def custom():
 
 def test_yaml_round_trip(tmp_path, custom):
     path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump(train_config_to_dict(custom)))
+    path.write_text(yaml.safe_dump(config_to_dict(custom)))
     assert load_train_config(path) == custom
 
 
 def test_toml_round_trip(tmp_path, custom):
     path = tmp_path / "c.toml"
-    _write_toml(train_config_to_dict(custom), path)
+    _write_toml(config_to_dict(custom), path)
     assert load_train_config(path) == custom
 
 
 def test_overrides_win_over_the_file(tmp_path, custom):
     path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump(train_config_to_dict(custom)))
+    path.write_text(yaml.safe_dump(config_to_dict(custom)))
     cfg = load_train_config(path, ["steps=9", "model.hidden_size=32", "betas=[0.8, 0.9]", "compile=false"])
     assert cfg.steps == 9 and cfg.betas == (0.8, 0.9) and cfg.compile is False
     assert cfg.model == {"num_hidden_layers": 2, "hidden_size": 32}  # merged, not replaced
