@@ -1,5 +1,12 @@
+import os
+
 import pytest
 import torch
+
+# No GPU here: our Triton kernels (seekforge/model/gpu) run in Triton's interpreter on CPU tensors. Read when a
+# kernel is defined, so before any test imports one.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from seekforge.model import kernels
 
