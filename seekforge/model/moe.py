@@ -19,6 +19,8 @@ from torch import nn
 from seekforge.config import ModelConfig
 from seekforge.model import kernels
 from seekforge.model.dtensor import local_tensor
+from seekforge.model.gpu import gpu_path, triton_ready
+from seekforge.model.gpu.fused_moe import fused_moe
 from seekforge.model.kernels import Linear
 from seekforge.model.precision import onednn_size, uses_onednn
 
@@ -28,6 +30,11 @@ from seekforge.model.precision import onednn_size, uses_onednn
 # decode and prefill sizes when these were set (git log -S MAX_BATCHED_PADDING).
 MAX_BATCHED_PADDING = 4
 MAX_BATCHED_PADDING_FP32 = 1.5
+# MoE._routed_inference's fused-MoE kernels (gpu/fused_moe.py) for batches up to this many tokens: decode sizes,
+# where a tile of BLOCK_M copies per expert wastes little and one launch per projection beats the sort, gathers
+# and grouped GEMM around them. Beyond it (prefill chunks) every expert gets many copies, the padding and
+# bookkeeping saved are a small share, and torch._grouped_mm's tuned GEMMs are as good or better.
+MAX_FUSED_MOE_TOKENS = 512
 
 
 class MLP(nn.Module):
@@ -490,13 +497,18 @@ class MoE(nn.Module):
 
     def _routed_inference(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor | None:
         """The routed experts' output by a path for inference without autograd (None: take the general
-        one): batch 1 → GroupedExperts.forward_one_token; on CPU → GroupedExperts.forward_batched, while its
+        one): on the GPU path (gpu/__init__.py), up to MAX_FUSED_MOE_TOKENS tokens → gpu/fused_moe.py's kernels
+        (sync-free: a CUDA graph can capture them; not while torch.compile traces); batch 1 →
+        GroupedExperts.forward_one_token; on CPU → GroupedExperts.forward_batched, while its
         padding stays within MAX_BATCHED_PADDING (oneDNN's dtypes) or MAX_BATCHED_PADDING_FP32 (a few hot
         experts, as at prefill sizes, would make the zero rows cost more than the per-expert loop's calls).
         Traced by torch.compile (serve/compiled.py), both take their traced forms, and a CPU batch is always the
         padded one: which is cheaper depends on the routing, which a compiled step cannot branch on."""
         if not self._plain_inference(x):
             return None
+        if (gpu_path(x) and x.shape[0] <= MAX_FUSED_MOE_TOKENS and triton_ready(x)
+                and not torch.compiler.is_compiling()):
+            return fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, indices)
         if x.shape[0] == 1:
             return self.experts.forward_one_token(x, weights, indices)
         if x.device.type != "cpu":  # torch._grouped_mm, unpadded

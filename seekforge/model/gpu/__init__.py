@@ -10,7 +10,8 @@ host sync. Nothing here needs a GPU or Triton to import: `triton_ready` says whe
 Kernels (one module each, each with its torch reference beside it and an interpreter test in tests/model/gpu):
   cross_entropy.py  fused linear + cross-entropy for training (the logits never materialize in full)
   mla_decode.py     absorbed-MLA decode attention over the paged latent cache, split over the context
-  fused_moe.py      the routed experts of a decode-sized batch in two kernels (tokens × chosen experts)
+  fused_moe.py      the routed experts of a decode-sized batch in two kernels (tokens × chosen experts),
+                    the kernels in fused_moe_kernels.py (imported where Triton runs)
 
 Triton's interpreter (3.9) computes on bf16 values as their bit patterns (a bf16 add, mul or tl.dot is
 wrong there; loads, stores and `.to(tl.float32)` are right): a kernel takes `UPCAST: tl.constexpr`
