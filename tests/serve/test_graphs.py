@@ -25,6 +25,7 @@ BLOCKS, BLOCK_SIZE = 64, 8
 # step → requests arriving then (prompt length, max_tokens): the decoding batch grows 2 → 7, shrinks as they finish
 # at different steps (7, 6, 5, … rows: padded to 8, then 4, 2, 1), and grows again with a late arrival
 ARRIVALS = {0: [(5, 14), (19, 6)], 3: [(9, 12), (4, 3), (26, 9), (12, 16), (7, 5)], 16: [(11, 6)]}
+SHORT = {0: [(5, 6), (9, 4)], 2: [(4, 5)]}  # for the tests of one feature (each step runs the kernels, interpreted)
 # Ops of one graphed decode step of the tiny model (3 layers: 1 dense, 2 MoE) at 3 rows, padded to 4: the input
 # copies and the replayed step, as measured (366 with the torch references of mla_decode and fused_moe) + 20%
 MAX_STEP_OPS = 440
@@ -57,17 +58,21 @@ def engine_args(**kwargs) -> dict:
     return dict(block_size=BLOCK_SIZE, num_kv_blocks=BLOCKS, max_num_seqs=8, **kwargs)
 
 
-def run(engine, arrivals: dict) -> list[list[int]]:
-    """Step `engine`, adding the requests of `arrivals` at their steps → each request's tokens, in arrival order."""
+def run(engine, arrivals: dict, logprobs: bool = False) -> list[list[int]] | list[tuple[list[int], torch.Tensor]]:
+    """Step `engine`, adding the requests of `arrivals` at their steps → each request's tokens (with `logprobs`, and
+    the chosen tokens' logprobs), in arrival order."""
     g = torch.Generator().manual_seed(3)
     ids, done, step = [], {}, 0
     while step <= max(arrivals) or engine.has_unfinished():
         for n, new in arrivals.get(step, []):
             prompt = torch.randint(0, 256, (n,), generator=g).tolist()
-            ids.append(engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)))
-        done.update({out.request_id: out.outputs[0].token_ids for out in engine.step() if out.finished})
+            params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True, logprobs=0 if logprobs else None)
+            ids.append(engine.add_request(prompt, params))
+        done.update({out.request_id: out.outputs[0] for out in engine.step() if out.finished})
         step += 1
-    return [done[i] for i in ids]
+    if logprobs:
+        return [(done[i].token_ids, torch.tensor([t["logprob"] for t in done[i].logprobs])) for i in ids]
+    return [done[i].token_ids for i in ids]
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +80,12 @@ def eager_run(tiny_model, byte_tokenizer):
     """The eager engine's tokens and pools over ARRIVALS."""
     engine = LLM(tiny_model, byte_tokenizer, **engine_args()).engine
     return run(engine, ARRIVALS), [(c.c_kv.clone(), c.k_pe.clone()) for c in engine.runner.caches]
+
+
+@pytest.fixture(scope="module")
+def eager_short(tiny_model, byte_tokenizer):
+    """The eager engine's tokens and their logprobs over SHORT."""
+    return run(LLM(tiny_model, byte_tokenizer, **engine_args()).engine, SHORT, logprobs=True)
 
 
 @pytest.mark.parametrize("max_batch", [8, 4], ids=["all-graphed", "larger-batches-eager"])
@@ -154,24 +165,28 @@ def test_decode_step_is_sync_free(tiny_model, byte_tokenizer):
         assert dict(guard.sync_counts) == {"Tensor.tolist": 1}
 
 
-def test_multi_step_scheduling_replays_graphs(tiny_model, byte_tokenizer, eager_run, graphed_rows):
-    """num_scheduler_steps: each of the N steps replays a graph, its logits kept apart from the next step's."""
+def test_multi_step_scheduling_replays_graphs(tiny_model, byte_tokenizer, eager_short, graphed_rows):
+    """num_scheduler_steps: each of the N steps replays a graph, and its logits (read for the logprobs once the N steps
+    ran) are kept apart from the next step's, which the graph writes to the same buffer."""
     with forced_gpu_path():
         engine = LLM(tiny_model, byte_tokenizer, **engine_args(num_scheduler_steps=4)).engine
-        got = run(engine, ARRIVALS)
-    assert got == eager_run[0] and graphed_rows
+        got = run(engine, SHORT, logprobs=True)
+    assert graphed_rows
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, eager_short, strict=True):
+        assert tokens == want_tokens
+        torch.testing.assert_close(logprobs, want_logprobs, rtol=0, atol=1e-4)
 
 
-def test_pools_allocated_anew_are_captured_again(tiny_model, byte_tokenizer, eager_run):
+def test_pools_allocated_anew_are_captured_again(tiny_model, byte_tokenizer, eager_short):
     """A GRPO rollout frees the pools between steps and allocates them anew (rl/rollout.py): the graphs, bound to the
     old pools, are captured again on the new ones before the next step."""
     with forced_gpu_path():
         engine = LLM(tiny_model, byte_tokenizer, **engine_args()).engine
         for cache in engine.runner.caches:
             cache.c_kv, cache.k_pe = torch.zeros_like(cache.c_kv), torch.zeros_like(cache.k_pe)
-        got = run(engine, ARRIVALS)
+        got = run(engine, SHORT)
         assert engine.runner.graphs.pools[0][0] is engine.runner.caches[0].c_kv
-    assert got == eager_run[0]
+    assert got == [tokens for tokens, _ in eager_short]
 
 
 def test_graphs_only_where_they_apply(tiny_model, byte_tokenizer, caplog):
