@@ -25,6 +25,10 @@ class EngineConfig:
     num_scheduler_steps: int = 1  # N > 1: N decode steps per scheduler pass while no prefill waits
     enable_lora: bool = False  # serve LoRA adapters (serve/lora.py), loaded at start or at run time
     compile: bool = False  # decode steps as torch.compile'd programs (serve/compiled.py), compiled at start
+    # plain decode steps of up to max_cuda_graph_batch sequences (and max_num_seqs) replay CUDA graphs captured at
+    # start (serve/graphs.py). Acts on the GPU path only: a CUDA device (or a CPU test inside forced_gpu_path)
+    cuda_graphs: bool = True
+    max_cuda_graph_batch: int = 256
 
     def __post_init__(self):
         if self.kv_cache_dtype not in ("auto", "int8"):
@@ -32,7 +36,10 @@ class EngineConfig:
         if not isinstance(self.speculative_tokens, int) or self.speculative_tokens < 0:
             raise ValueError(f"EngineConfig.speculative_tokens={self.speculative_tokens!r}: must be an integer >= 0 "
                              "(0 turns speculative decoding off)")
-        for key in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_scheduler_steps"):
+        if not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"EngineConfig.cuda_graphs={self.cuda_graphs!r}: must be True or False")
+        for key in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_scheduler_steps",
+                    "max_cuda_graph_batch"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
                 raise ValueError(f"EngineConfig.{key}={getattr(self, key)!r}: must be a positive integer")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
@@ -41,6 +48,11 @@ class EngineConfig:
             raise ValueError(f"speculative_tokens={self.speculative_tokens} and num_scheduler_steps="
                              f"{self.num_scheduler_steps} cannot be combined (as in vLLM); pick one")
         self.kv_cache_bytes = parse_bytes(self.kv_cache_memory, "EngineConfig.kv_cache_memory")
+
+    def model_len(self, max_position_embeddings: int) -> int:
+        """Tokens one sequence holds at most (prompt + output): max_model_len, else the model's
+        max_position_embeddings."""
+        return self.max_model_len or max_position_embeddings
 
 
 def parse_bytes(size: str | int, what: str = "memory size") -> int:

@@ -45,6 +45,12 @@ def add_arguments(p):
                    help="run decode steps as torch.compile'd programs (needs a C++ compiler; minutes at start the "
                         "first time, seconds from the compile cache after): faster decoding, most at batch 1 "
                         "(BENCHMARKS.md); falls back to eager, with a warning, where compiling fails")
+    p.add_argument("--no-cuda-graphs", action="store_true",
+                   help="on a GPU, run every decode step eagerly instead of replaying the CUDA graphs captured at "
+                        "start (serve/graphs.py: plain decode steps of up to --max-cuda-graph-batch sequences)")
+    p.add_argument("--max-cuda-graph-batch", type=int, default=256,
+                   help="on a GPU, the largest batch of decoding sequences captured as a CUDA graph (capped at "
+                        "--max-num-seqs); larger decode batches run eagerly")
     p.add_argument("--enable-lora", action="store_true",
                    help="serve LoRA adapters (POST /v1/load_lora_adapter at run time); implied by --lora-modules")
     p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
@@ -73,7 +79,8 @@ def engine_config_from_args(args):
                         max_model_len=args.max_model_len, enable_chunked_prefill=not args.no_chunked_prefill,
                         enable_prefix_caching=not args.no_prefix_caching, kv_cache_dtype=args.kv_cache_dtype,
                         speculative_tokens=args.speculative_tokens, num_scheduler_steps=args.num_scheduler_steps,
-                        enable_lora=args.enable_lora or bool(args.lora_modules), compile=args.compile)
+                        enable_lora=args.enable_lora or bool(args.lora_modules), compile=args.compile,
+                        cuda_graphs=not args.no_cuda_graphs, max_cuda_graph_batch=args.max_cuda_graph_batch)
 
 
 def parse_lora_modules(specs: list[str]) -> list[tuple[str, str]]:

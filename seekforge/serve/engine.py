@@ -86,7 +86,7 @@ class LLMEngine:
         self.model = model.eval()
         self.tokenizer = tokenizer
         cfg = model.cfg
-        self.max_model_len = config.max_model_len or cfg.max_position_embeddings
+        self.max_model_len = config.model_len(cfg.max_position_embeddings)
         if self.max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings="
                              f"{cfg.max_position_embeddings}; lower it")
@@ -239,7 +239,8 @@ class LLMEngine:
         for ids, logits in steps:
             now = time.monotonic()
             touched: dict[str, Request] = {}
-            for seq, token, info in zip(seqs, ids.tolist(), logprob_infos(logits, ids, seqs), strict=True):
+            tokens = ids.tolist()
+            for seq, token, info in zip(seqs, tokens, logprob_infos(logits, ids, seqs, tokens), strict=True):
                 if not seq.is_finished and self._apply(SequenceUpdate(seq, 1, 0, [token], [info]), now):
                     touched[seq.request_id] = self.requests[seq.request_id]
             outputs += self._outputs(touched)

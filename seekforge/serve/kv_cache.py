@@ -100,6 +100,33 @@ def fresh_runs(query_lens: list[int], starts: list[int], num_heads: int,
     return runs
 
 
+def plain_decode_rows(order: list, block_size: int, rows: int | None = None, pad_block: int = 0
+                      ) -> tuple[list[int], int]:
+    """The inputs of a step whose chunks (runner.Chunk, in flat order) are all one-token decodes, as one flat list
+    of Python ints: input ids, positions, slots (each `rows` long), then the block tables (rows × width, width =
+    the blocks of the longest context). `rows` (default len(order)): the rows past the chunks are padding rows
+    (serve/graphs.py), token 0 at position 0 of block `pad_block`, which also fills the tables past each row's
+    blocks. → (flat, width)."""
+    b, pos = len(order), [c.start for c in order]
+    pad = (rows or b) - b
+    width = -(-(max(pos, default=0) + 1) // block_size)
+    flat = [c.token_ids[0] for c in order]
+    if pad:
+        flat += [0] * pad
+    flat += pos
+    if pad:
+        flat += [0] * pad
+    flat += [c.seq.block_table[p // block_size] * block_size + p % block_size for c, p in zip(order, pos, strict=True)]
+    if pad:
+        flat += [pad_block * block_size] * pad
+    for c in order:
+        table = c.seq.block_table[:width]
+        flat += table + [pad_block] * (width - len(table))
+    if pad:
+        flat += [pad_block] * (pad * width)
+    return flat, width
+
+
 def mask_width(mask: torch.Tensor, width: int) -> torch.Tensor:
     """A key mask (..., S) cut, or extended with False, to (..., width)."""
     if mask.shape[-1] >= width:

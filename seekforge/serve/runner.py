@@ -19,9 +19,11 @@ import torch
 
 from seekforge.config import EngineConfig
 from seekforge.model import pages
+from seekforge.model.gpu import gpu_path, triton_ready
 from seekforge.model.model import Transformer
 from seekforge.model.precision import onednn
 from seekforge.serve.compiled import CompiledDecode
+from seekforge.serve.graphs import GraphedDecode
 from seekforge.serve.kv_cache import (
     AttentionMetadata,
     DenseRows,
@@ -29,6 +31,7 @@ from seekforge.serve.kv_cache import (
     PagedLatentCache,
     bytes_per_block,
     fresh_runs,
+    plain_decode_rows,
 )
 from seekforge.serve.lora import LoRAManager
 from seekforge.serve.scheduler import ScheduledBatch
@@ -110,13 +113,8 @@ def plain_decode_layout(order: list[Chunk], block_size: int, device=None):
     decoding), from Python lists in one tensor: the fixed cost of each small tensor op is most of a batch-1
     step's preparation. → input ids (1, B), positions (B,), slots (B,), block tables (B, width), views of
     one tensor; the key mask (decode_key_mask) is left to the steps that read it."""
-    b, pos = len(order), [c.start for c in order]
-    width = -(-(max(pos) + 1) // block_size)
-    flat = [c.token_ids[0] for c in order] + pos
-    flat += [c.seq.block_table[p // block_size] * block_size + p % block_size for c, p in zip(order, pos, strict=True)]
-    for c in order:
-        table = c.seq.block_table[:width]
-        flat += table + [0] * (width - len(table))
+    b = len(order)
+    flat, width = plain_decode_rows(order, block_size)
     data = torch.tensor(flat, device=device)
     return data[:b][None], data[b:2 * b], data[2 * b:3 * b], data[3 * b:].view(b, width)
 
@@ -149,12 +147,15 @@ class Runner:
         budget = num_blocks * bytes_per_block(cfg, config.block_size, pool_dtype) if self.device.type == "cpu" else 0
         self.dense_rows = DenseRows(budget, per_token)
         self.scratch = GatherScratch(self.dense_rows)  # one set of gather outputs for all layers
+        graphed = self._graphs_wanted(config)
 
-        def pool(kv_b_name=None, layer=0):
-            return PagedLatentCache(cfg, num_blocks, config.block_size, weight.dtype, weight.device, kv_b_name,
+        def pool(kv_b_name=None, layer=0, blocks=num_blocks):
+            return PagedLatentCache(cfg, blocks, config.block_size, weight.dtype, weight.device, kv_b_name,
                                     int8=config.kv_cache_dtype == "int8", scratch=self.scratch, layer=layer)
 
-        self.caches = [pool(f"layers.{i}.self_attn.kv_b_proj", i) for i in range(len(model.layers))]
+        # graphed decode steps' padding rows write one block past the block manager's (serve/graphs.py)
+        self.caches = [pool(f"layers.{i}.self_attn.kv_b_proj", i, num_blocks + int(graphed))
+                       for i in range(len(model.layers))]
         self.mtp_caches = [pool() for _ in model.mtp] if config.speculative_tokens else []
         self.lora: LoRAManager | None = LoRAManager(model) if config.enable_lora else None
         # A one-token step of a bf16 model on a CPU runs its linear layers on torch's own bf16 kernels
@@ -172,6 +173,25 @@ class Runner:
                 compiled = CompiledDecode(model, self.caches)
                 self.compiled = compiled if compiled.warm_up() else None
         self.dense_rows.at_once = self.compiled is not None  # compiled steps read dense rows from a set's first step
+        self.graphs: GraphedDecode | None = None
+        if graphed:
+            graphs = GraphedDecode(model, self.caches, num_blocks, config.block_size,
+                                   config.model_len(cfg.max_position_embeddings),
+                                   min(config.max_cuda_graph_batch, config.max_num_seqs))
+            self.graphs = graphs if graphs.warm_up() else None
+
+    def _graphs_wanted(self, config: EngineConfig) -> bool:
+        """Do plain decode steps replay CUDA graphs (serve/graphs.py)? On the GPU path, with Triton's kernels
+        ready, unless the config turns them off or needs what they do not capture (logged once, at start)."""
+        if not (config.cuda_graphs and gpu_path(self.device)):
+            return False
+        if not triton_ready(self.device):
+            log.warning("cuda_graphs: decoding eagerly (Triton is not installed: pip install triton)")
+            return False
+        why_not = GraphedDecode.supports(self.model, config)
+        if why_not:
+            log.warning("cuda_graphs: decoding eagerly (%s)", why_not)
+        return why_not is None
 
     def prepare(self, chunks: list[Chunk], dense: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
@@ -318,7 +338,11 @@ class Runner:
 
     def execute(self, chunks: list[Chunk], head_rows: list[int]) -> torch.Tensor:
         """The main model over `chunks`, then the head on flat rows `head_rows` → fp32 logits (R, V).
-        The seam serve/sharded_runner.py's ShardedRunner mirrors on the other ranks of a TP group."""
+        The seam serve/sharded_runner.py's ShardedRunner mirrors on the other ranks of a TP group. A plain decode
+        step may replay a CUDA graph (serve/graphs.py): its logits are then valid until the next step."""
+        if self.graphs is not None and self.graphs.applies(chunks) and head_rows == list(range(len(chunks))):
+            self.dense_rows.invalidate()  # (CPU tests of the GPU path) the graph writes the pools only
+            return self.graphs(chunks)
         hidden, _, logits = self._forward(chunks)
         if logits is not None and head_rows == list(range(logits.shape[0])):  # a plain decode step: every row
             return logits
@@ -337,9 +361,10 @@ class Runner:
         computed, and blocks for num_steps tokens from there), sampling on the model side: each step's
         ids (B,) = draw(logits (B, V)) feed the next step as tensors, and the metadata advances by
         tensor ops, so no per-sequence Python runs between steps. → per step (ids (B,), logits (B, V)).
-        With compiled steps each step is a plain step's `execute` instead (the compiled program, whose dense rows
-        carry over from step to step): the eager model over the pool would cost more than the Python it saves."""
-        if self.compiled is not None:
+        With compiled steps or CUDA graphs each step is a plain step's `execute` instead (the compiled program, whose
+        dense rows carry over from step to step; the graph): the eager model over the pool would cost more than the
+        Python it saves."""
+        if self.compiled is not None or self.graphs is not None:
             return self._executed_steps(seqs, num_steps, draw)
         bs, to, b = self.block_size, self.device, len(seqs)
         self.dense_rows.invalidate()  # these steps write the pool only
@@ -374,6 +399,8 @@ class Runner:
         for k in range(num_steps):
             chunks = [Chunk(s, s.num_tokens - 1 + k, [t], decode=True) for s, t in zip(seqs, tokens, strict=True)]
             logits = self.execute(chunks, rows)
+            if self.graphs is not None:  # a graph's logits are its static output, which the next step rewrites
+                logits = logits.clone()
             ids = draw(logits)
             steps.append((ids, logits))
             tokens = ids.tolist()

@@ -12,6 +12,10 @@ seeded request gives the same tokens alone or in any batch. Unseeded rows share 
 
 Logprobs are those of the model's distribution (log_softmax of the raw logits, before penalties and
 temperature), as vLLM reports by default.
+
+On a GPU, sampling runs on the device without waiting for it (serve/graphs.py: the engine's one wait per step
+is its read of the sampled ids): the per-row settings go up from pinned memory, non_blocking (`device_tensor`),
+and no branch reads a tensor's value.
 """
 
 from __future__ import annotations
@@ -22,6 +26,14 @@ from seekforge.serve.sequence import Sequence
 from seekforge.serve.structured import allowed_tokens
 
 
+def device_tensor(values: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Python values → a tensor on `device`. To a GPU from pinned memory, non_blocking: torch.tensor(values,
+    device="cuda") copies from pageable memory, which waits for every kernel queued on the stream first."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """logits (N, V) → penalized copy; rows without penalties are unchanged."""
     n, v = logits.shape
@@ -29,20 +41,20 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 
     def counts_of(id_lists):  # (N, V) occurrences, via one scatter_add over a padded (N, Lmax) tensor
         width = max(1, max(len(ids) for ids in id_lists))
-        padded = torch.full((n, width), v, dtype=torch.long)
+        padded = torch.full((n, width), v, dtype=torch.long, pin_memory=device.type == "cuda")
         for i, ids in enumerate(id_lists):
             padded[i, :len(ids)] = torch.tensor(ids, dtype=torch.long)
         counts = torch.zeros(n, v + 1, device=device)  # column v collects the padding
-        counts.scatter_add_(1, padded.to(device), torch.ones(n, width, device=device))
+        counts.scatter_add_(1, padded.to(device, non_blocking=True), torch.ones(n, width, device=device))
         return counts[:, :v]
 
     output_counts = counts_of([s.output_token_ids for s in seqs])
     params = [s.params for s in seqs]
-    presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
-    frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
-    repetition = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
+    presence = device_tensor([p.presence_penalty for p in params], device)[:, None]
+    frequency = device_tensor([p.frequency_penalty for p in params], device)[:, None]
     logits = logits - presence * (output_counts > 0) - frequency * output_counts
-    if (repetition != 1).any():
+    if any(p.repetition_penalty != 1 for p in params):
+        repetition = device_tensor([p.repetition_penalty for p in params], device)[:, None]
         seen = (output_counts > 0) | (counts_of([s.token_ids[:s.num_prompt_tokens] for s in seqs]) > 0)
         penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
         logits = torch.where(seen, penalized, logits)
@@ -91,15 +103,15 @@ def token_probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     greedy and sampled rows with the same rejection rule, spec_decode.py)."""
     params = [s.params for s in seqs]
     device = logits.device
-    temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device)
+    temperature = device_tensor([1.0 if p.greedy else p.temperature for p in params], device)
     scaled = logits / temperature[:, None]
     if any(p.top_k or p.top_p < 1 or p.min_p > 0 for p in params):
-        scaled = filter_logits(scaled, torch.tensor([p.top_k for p in params], device=device),
-                               torch.tensor([p.top_p for p in params], device=device),
-                               torch.tensor([p.min_p for p in params], device=device))
+        scaled = filter_logits(scaled, device_tensor([p.top_k for p in params], device),
+                               device_tensor([p.top_p for p in params], device),
+                               device_tensor([p.min_p for p in params], device))
     probs = scaled.softmax(dim=-1)
-    is_greedy = torch.tensor([p.greedy for p in params], device=device)
-    if is_greedy.any():
+    if any(p.greedy for p in params):
+        is_greedy = device_tensor([p.greedy for p in params], device)
         one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
         probs = torch.where(is_greedy[:, None], one_hot, probs)
     return probs
@@ -119,15 +131,18 @@ def exponential_noise(seqs: list[Sequence], num_rows_per_seq: int, vocab: int, d
         rows = noise[i * num_rows_per_seq:(i + 1) * num_rows_per_seq]
         if noise.device.type == "cpu":  # in place, from the sequence's (CPU) generator
             rows.uniform_(generator=seqs[i].generator)
-        else:
-            rows.copy_(torch.empty(num_rows_per_seq, vocab).uniform_(generator=seqs[i].generator))
+        else:  # drawn on the host (the generator's), sent up without waiting for the stream
+            drawn = torch.empty(num_rows_per_seq, vocab, pin_memory=True).uniform_(generator=seqs[i].generator)
+            rows.copy_(drawn, non_blocking=True)
     return noise.log_().neg_()
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[dict | None]]:
-    """logits (N, V) fp32 for seqs → next token ids and, per row, logprob info (None if not asked)."""
+    """logits (N, V) fp32 for seqs → next token ids and, per row, logprob info (None if not asked). The ids are
+    read with one .tolist(): a step's one device→host copy where no row asks for logprobs."""
     next_ids = sample_ids(logits, seqs)
-    return next_ids.tolist(), logprob_infos(logits, next_ids, seqs)
+    token_ids = next_ids.tolist()
+    return token_ids, logprob_infos(logits, next_ids, seqs, token_ids)
 
 
 def sample_ids(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -139,15 +154,15 @@ def sample_ids(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         return greedy_ids
     probs = token_probs(adjusted, seqs)
     sampled = (probs / exponential_noise(seqs, 1, probs.shape[1], probs.device)).argmax(dim=-1)
-    is_greedy = torch.tensor([s.params.greedy for s in seqs], device=logits.device)
+    is_greedy = device_tensor([s.params.greedy for s in seqs], logits.device)
     return torch.where(is_greedy, greedy_ids, sampled)
 
 
-def logprob_infos(raw: torch.Tensor, next_ids: torch.Tensor, seqs: list[Sequence]) -> list[dict | None]:
-    """raw logits (N, V) and the chosen ids (N,) → per row {"token_id", "logprob", "top"} for the
-    sequences that asked for logprobs, else None."""
+def logprob_infos(raw: torch.Tensor, next_ids: torch.Tensor, seqs: list[Sequence],
+                  token_ids: list[int]) -> list[dict | None]:
+    """raw logits (N, V), the chosen ids (N,) and the same ids read already → per row {"token_id", "logprob",
+    "top"} for the sequences that asked for logprobs, else None."""
     params = [s.params for s in seqs]
-    token_ids = next_ids.tolist()
     infos: list[dict | None] = [None] * len(seqs)
     wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
     if wanted:

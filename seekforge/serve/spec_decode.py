@@ -146,7 +146,7 @@ class SpecDecoder:
             if update.seq.params.logprobs is not None:
                 raw_rows = raw.view(len(sampling), k + 1, -1)[i, :a + 1]
                 ids = torch.tensor(update.token_ids, device=raw.device)
-                update.infos = logprob_infos(raw_rows, ids, views[i * (k + 1):i * (k + 1) + a + 1])
+                update.infos = logprob_infos(raw_rows, ids, views[i * (k + 1):i * (k + 1) + a + 1], update.token_ids)
             else:
                 update.infos = [None] * (a + 1)
             update.seq.draft_token_ids, update.seq.draft_probs = [], None
