@@ -12,10 +12,8 @@ import pytest
 import torch
 
 from seekforge.config import EngineConfig
-from seekforge.model.gpu import forced_gpu_path, gpu_path
-from seekforge.model.gpu.fused_moe import fused_moe
+from seekforge.model.gpu import forced_gpu_path
 from seekforge.model.gpu.sync import HostSyncGuard
-from seekforge.model.moe import MoE
 from seekforge.serve.engine import LLM
 from seekforge.serve.graphs import GraphedDecode, capture_sizes
 from seekforge.serve.runner import Chunk
@@ -29,19 +27,6 @@ SHORT = {0: [(5, 6), (9, 4)], 2: [(4, 5)]}  # for the tests of one feature (each
 # Ops of one graphed decode step of the tiny model (3 layers: 1 dense, 2 MoE) at 3 rows, padded to 4: the input
 # copies and the replayed step, as measured (366 with the torch references of mla_decode and fused_moe) + 20%
 MAX_STEP_OPS = 440
-
-
-@pytest.fixture(autouse=True)
-def fused_moe_on_gpu_path(monkeypatch):
-    """The MoE layers on the GPU path through fused_moe, sync-free (model/moe.py's routing on the GPU path, which
-    lands with the fused-MoE kernel; kept here so these tests see a sync-free model either way)."""
-    original = MoE._routed_inference
-
-    def routed(self, x, weights, indices):
-        if gpu_path(x) and self._plain_inference(x):
-            return fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, indices)
-        return original(self, x, weights, indices)
-    monkeypatch.setattr(MoE, "_routed_inference", routed)
 
 
 @pytest.fixture()

@@ -9,6 +9,7 @@ the host syncs among them, and with `strict` raises at the first one, naming it.
 
 from __future__ import annotations
 
+import importlib.util
 from collections import Counter
 
 import torch
@@ -27,6 +28,16 @@ class HostSyncError(RuntimeError):
     pass
 
 
+def _triton_launchers() -> list[type]:
+    """Triton's kernel classes whose `run` launches a kernel (compiled, and interpreted), where installed."""
+    if importlib.util.find_spec("triton") is None:
+        return []
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    return [JITFunction, InterpretedFunction]
+
+
 def _is_sync(func, args, kwargs) -> bool:
     name = func._schema.name
     if name in SYNC_OPS:
@@ -41,13 +52,16 @@ def _is_sync(func, args, kwargs) -> bool:
 class HostSyncGuard(TorchDispatchMode):
     """Counts the ops dispatched inside it (`ops`, `counts` by name) and the host syncs (`syncs`, by name in
     `sync_counts`); `strict` raises HostSyncError at the first sync. `.tolist()` and `.numpy()` read a tensor
-    without dispatching an op: inside the guard they count (and raise) too."""
+    without dispatching an op: inside the guard they count (and raise) too. A Triton kernel launch counts as
+    one op, `triton::<kernel>`, whether compiled or interpreted; the torch ops Triton's interpreter runs to
+    emulate a kernel on CPU tensors are not counted (a GPU runs none of them)."""
 
     def __init__(self, strict: bool = True):
         super().__init__()
         self.strict = strict
         self.counts: Counter[str] = Counter()
         self.sync_counts: Counter[str] = Counter()
+        self._in_kernel = False
 
     @property
     def ops(self) -> int:
@@ -64,6 +78,8 @@ class HostSyncGuard(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self._in_kernel:
+            return func(*args, **kwargs)
         name = func._schema.name
         self.counts[name] += 1
         if _is_sync(func, args, kwargs):
@@ -71,20 +87,35 @@ class HostSyncGuard(TorchDispatchMode):
         return func(*args, **kwargs)
 
     def __enter__(self):
-        self._patched = {}
+        self._patched = []
         for attr in ("tolist", "numpy"):
             original = getattr(torch.Tensor, attr)
-            self._patched[attr] = original
 
             def reading(t, *a, _attr=attr, _original=original, **k):
-                self._sync(f"Tensor.{_attr}")
+                if not self._in_kernel:
+                    self._sync(f"Tensor.{_attr}")
                 return _original(t, *a, **k)
-            setattr(torch.Tensor, attr, reading)
+            self._patch(torch.Tensor, attr, reading)
+        for cls in _triton_launchers():
+            def launch(fn, *a, _original=cls.run, **k):
+                if self._in_kernel:
+                    return _original(fn, *a, **k)
+                self.counts[f"triton::{getattr(fn, '__name__', 'kernel')}"] += 1
+                self._in_kernel = True
+                try:
+                    return _original(fn, *a, **k)
+                finally:
+                    self._in_kernel = False
+            self._patch(cls, "run", launch)
         return super().__enter__()
 
+    def _patch(self, owner, attr: str, replacement) -> None:
+        self._patched.append((owner, attr, getattr(owner, attr)))
+        setattr(owner, attr, replacement)
+
     def __exit__(self, *exc):
-        for attr, original in self._patched.items():
-            setattr(torch.Tensor, attr, original)
+        for owner, attr, original in reversed(self._patched):
+            setattr(owner, attr, original)
         return super().__exit__(*exc)
 
     def summary(self, top: int = 8) -> str:
