@@ -4,10 +4,11 @@ without the (N, V) logits ever existing in full (Liger-Kernel's FusedLinearCross
 Shape legend: N rows (tokens), H hidden, V vocabulary, R rows of one chunk.
 
 The rows go through in a few large chunks (CHUNK_LOGITS_BYTES of logits each, from the shapes alone). Per
-chunk: logits = h_c @ Wᵀ (R, V) in the compute dtype, then one Triton program per row computes the row's
-log-sum-exp online over the vocabulary, its loss, and writes (softmax − onehot) / count over the logits in
-place; that gradient then gives grad_h_c = g @ W and grad_W += gᵀ @ h_c. The gradients are computed in
-forward and only scaled by grad_output in backward, so nothing of size (N, V) is saved either. `count`, the
+chunk: logits = h_c @ Wᵀ (R, V) in the compute dtype, then a Triton kernel computes each row's log-sum-exp
+online over the vocabulary (one row per program at a large vocabulary), its loss, and writes
+(softmax − onehot) / count over the logits in place; that gradient g then gives grad_h_c = g @ W and
+grad_W += gᵀ @ h_c. The gradients are computed in forward and only scaled by grad_output in backward, so
+nothing of size (N, V) is saved either. `count`, the
 kept rows, stays on the device (the kernel reads it): the loss never syncs with the host.
 
 model/loss.py's `cross_entropy(lm_head(norm(h)))` is the reference (and stays the path on CPU, and for
@@ -31,54 +32,64 @@ except ImportError:  # the GPU path's kernels only: model/loss.py asks triton_re
 # Logits of one chunk at most this many bytes (in the compute dtype): a few chunks even at a 128k vocabulary,
 # so the matmuls stay large, while the transient buffer stays a small share of a GPU's memory.
 CHUNK_LOGITS_BYTES = 512 << 20
-MAX_BLOCK = 32768  # vocabulary columns a program holds at a time (Liger's MAX_FUSED_SIZE)
+TILE = 32768  # logits a program holds at a time (Liger's MAX_FUSED_SIZE): one row of a large vocabulary's
+MAX_TILE_ROWS = 64  # or up to this many rows of a small one (fewer programs; in the interpreter, far fewer)
 
 
 if triton is not None:
 
     @triton.jit
-    def _loss_and_grad_rows(logits_ptr, labels_ptr, count_ptr, loss_ptr, stride, vocab, ignore_index,
-                            BLOCK: tl.constexpr, UPCAST: tl.constexpr):
-        """One row of the chunk: loss_ptr[row] = lse − logit[label] (0 where ignored) and, in place of the
-        row's logits, (softmax − onehot(label)) / count (zeros where ignored). Two passes over the row: the
-        online max and sum, then the gradient. Every load becomes fp32 before any arithmetic, on a GPU as in
-        Triton's interpreter (UPCAST is for the interpreter's bf16, which this kernel never computes in)."""
-        row = tl.program_id(0).to(tl.int64)
-        logits_ptr += row * stride
-        label = tl.load(labels_ptr + row)
-        keep = label != ignore_index
+    def _loss_and_grad_rows(logits_ptr, labels_ptr, count_ptr, loss_ptr, n_rows, stride, vocab, ignore_index,
+                            ROWS: tl.constexpr, BLOCK: tl.constexpr, UPCAST: tl.constexpr):
+        """ROWS rows of the chunk: loss_ptr[row] = lse − logit[label] (0 where ignored) and, in place of the
+        row's logits, (softmax − onehot(label)) / count (zeros where ignored). Two passes over the rows in
+        (ROWS, BLOCK) tiles: the online max and sum, then the gradient. Every load becomes fp32 before any
+        arithmetic, on a GPU as in Triton's interpreter (UPCAST is for the interpreter's bf16, which this
+        kernel never computes in)."""
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        in_chunk = rows < n_rows
+        rows = tl.minimum(rows, n_rows - 1).to(tl.int64)  # rows past the chunk read its last one, store nothing
+        label = tl.load(labels_ptr + rows)
+        keep = (label != ignore_index) & in_chunk
         count = tl.load(count_ptr).to(tl.float32)
         scale = tl.where(keep, 1.0 / tl.maximum(count, 1.0), 0.0)  # a kept row makes count ≥ 1
         target = tl.where(keep, label, 0)
-        running_max = -float("inf")
-        running_sum = 0.0
+        row_ptr = logits_ptr + rows * stride  # (ROWS,)
+        running_max = tl.full((ROWS,), -float("inf"), tl.float32)
+        running_sum = tl.zeros((ROWS,), tl.float32)
         for start in range(0, vocab, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            x = tl.load(logits_ptr + cols, mask=cols < vocab, other=-float("inf")).to(tl.float32)
-            new_max = tl.maximum(running_max, tl.max(x, axis=0))
-            running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
+            x = tl.load(row_ptr[:, None] + cols[None, :], mask=cols[None, :] < vocab, other=-float("inf"))
+            x = x.to(tl.float32)
+            new_max = tl.maximum(running_max, tl.max(x, axis=1))
+            running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(x - new_max[:, None]), axis=1)
             running_max = new_max
         lse = running_max + tl.log(running_sum)
-        target_logit = tl.load(logits_ptr + target).to(tl.float32)
+        target_logit = tl.load(row_ptr + target).to(tl.float32)
         for start in range(0, vocab, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            x = tl.load(logits_ptr + cols, mask=cols < vocab, other=0.0).to(tl.float32)
-            grad = tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)
-            tl.store(logits_ptr + cols, (grad * scale).to(logits_ptr.dtype.element_ty), mask=cols < vocab)
-        tl.store(loss_ptr + row, tl.where(keep, lse - target_logit, 0.0))
+            inside = cols[None, :] < vocab
+            x = tl.load(row_ptr[:, None] + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+            grad = tl.exp(x - lse[:, None]) - tl.where(cols[None, :] == target[:, None], 1.0, 0.0)
+            tl.store(row_ptr[:, None] + cols[None, :], (grad * scale[:, None]).to(logits_ptr.dtype.element_ty),
+                     mask=inside & in_chunk[:, None])
+        tl.store(loss_ptr + rows, tl.where(keep, lse - target_logit, 0.0), mask=in_chunk)
 
 
 def loss_and_grad_rows_(logits: torch.Tensor, labels: torch.Tensor, count: torch.Tensor, loss: torch.Tensor,
                         ignore_index: int, block: int | None = None) -> None:
     """The kernel over a chunk: logits (R, V) (row-contiguous) are overwritten by their gradient
     (softmax − onehot) / count, loss (R,) fp32 gets each row's loss; labels (R,), count a 0-d device tensor.
-    block: vocabulary columns per step (tests force one that does not divide V)."""
-    rows, vocab = logits.shape
-    if rows == 0:
+    block: vocabulary columns per tile (tests force one that does not divide V). The grid depends on the
+    shapes only."""
+    n_rows, vocab = logits.shape
+    if n_rows == 0:
         return
-    block = block or min(MAX_BLOCK, triton.next_power_of_2(vocab))
-    _loss_and_grad_rows[(rows,)](logits, labels, count, loss, logits.stride(0), vocab, ignore_index,
-                                 BLOCK=block, UPCAST=interpreting(), num_warps=32 if block >= 8192 else 8)
+    block = block or min(TILE, triton.next_power_of_2(vocab))
+    rows = min(MAX_TILE_ROWS, max(1, TILE // block), triton.next_power_of_2(n_rows))
+    _loss_and_grad_rows[(triton.cdiv(n_rows, rows),)](
+        logits, labels, count, loss, n_rows, logits.stride(0), vocab, ignore_index, ROWS=rows, BLOCK=block,
+        UPCAST=interpreting(), num_warps=32 if rows * block >= TILE else 8)
 
 
 def loss_and_grad_rows_reference(logits, labels, count, ignore_index):
