@@ -488,8 +488,9 @@ class MoE(nn.Module):
         if shared is not None:
             out = out + shared
         # Counted in training only (serving has no use for them), and not during activation-recompute
-        # replays in backward, which would count every token twice.
-        counting = self.training and torch._C._current_graph_task_id() == -1
+        # replays in backward, which would count every token twice. A compiled block's replay is its graph's,
+        # which never runs this Python again: asking torch.compile for the graph task id would break the graph.
+        counting = self.training and (torch.compiler.is_compiling() or torch._C._current_graph_task_id() == -1)
         if counting:
             with torch.no_grad():  # this rank's routing decisions, whichever rank runs the experts
                 num_tokens_per_expert = count_per_expert(indices.reshape(-1), self.cfg.n_routed_experts)

@@ -94,3 +94,28 @@ def test_fit_on_the_gpu_path_reads_metrics_on_logging_steps_only(tmp_path, monke
     assert [r["step"] for r in lines] == [1, 2, 3, 4, 5]
     assert all(isinstance(r["loss"], float) and isinstance(r["expert_imbalance"], list) for r in lines)
     assert [r["loss"] for r in lines] == [h["loss"] for h in history]
+
+
+@pytest.mark.slow
+def test_compiled_blocks_on_the_gpu_path(tmp_path):
+    """TrainConfig.compile (each block torch.compile'd: parallel/parallelize.compile_blocks) over the GPU path's
+    code: the eager loss, and in bf16 (the GPU's training dtype: torch._grouped_mm traces there) whole-block
+    graphs, without a graph break."""
+    from torch._dynamo.utils import counters
+
+    from seekforge.train.trainer import prepare_model
+
+    dtype = "bf16" if cpu_has_native_bf16() else "fp32"
+    torch._dynamo.reset()
+    counters.clear()
+    losses = {}
+    for compile_ in (False, True):
+        cfg = tiny_train_config(tmp_path / str(compile_), dtype=dtype, compile=compile_, grad_accum=1,
+                                aux_loss_coeff=1e-2)
+        trainer = Trainer(cfg, prepare_model(build_model(cfg.model_config(), seed=0), cfg), Batches(cfg))
+        with forced_gpu_path():
+            steps = [trainer.train_step() for _ in range(2)]
+        losses[compile_] = [m["loss"] for m in trainer.read_metrics(steps, 1.0)]
+    assert losses[True] == pytest.approx(losses[False], rel=1e-4 if dtype == "fp32" else 2e-2)
+    if dtype == "bf16":
+        assert not counters["graph_break"], dict(counters["graph_break"])
