@@ -18,7 +18,8 @@ On the GPU path (model/gpu: CUDA) a step never waits for the device: its metrics
 evaluate, save a checkpoint or end the run — all the steps since the last one in one device→host copy
 (`read_metrics`); their tokens/s, step time and MFU are then the window's mean (a step's own wall time
 would measure only how fast the host queued its kernels). metrics.jsonl gets every step's line, written
-at those steps. On a CPU the step reads its metrics itself (a copy there costs nothing): one record a step.
+at those steps (a probe monitor, when one is configured, reads the loss every step: a sync each). On a CPU
+the step reads its metrics itself (a copy there costs nothing): one record a step, as before.
 
 Pipeline parallelism: `model` is then a PipelineRunner (parallel/pp.py). Each of this rank's stages
 has its own optimizer (checkpoint names stay per stage), the schedule runs forward and backward of
@@ -159,6 +160,10 @@ class Trainer:
         except StopIteration:  # a finite loader: start its next epoch
             self._iterator = iter(self.loader)
             batch = next(self._iterator)
+        if self.device.type == "cuda":
+            # A copy from pageable memory may wait for the device's queue to drain (CUDA stages it); from
+            # pinned memory it never does. torch's caching host allocator reuses the pinned buffers.
+            batch = {k: v if v.is_pinned() or v.device.type != "cpu" else v.pin_memory() for k, v in batch.items()}
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
     def train_step(self) -> dict:
