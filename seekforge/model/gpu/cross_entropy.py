@@ -123,26 +123,31 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
     if rows is None:
         rows = chunk_rows(hidden.shape[0], weight.shape[0], torch.finfo(dtype).bits // 8)
-    return _FusedLinearCrossEntropy.apply(hidden, weight, labels, ignore_index, dtype, rows)
+    # forward computes the gradients: not under no_grad (an evaluation), where needs_input_grad still says True
+    grads = torch.is_grad_enabled()
+    return _FusedLinearCrossEntropy.apply(hidden, weight, labels, ignore_index, dtype, rows, grads)
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, ignore_index, dtype, rows):
-        ctx.dtypes = hidden.dtype, weight.dtype
+    def forward(ctx, hidden, weight, labels, ignore_index, dtype, rows, grads):
+        ctx.hidden_dtype = hidden.dtype
         with torch.autocast(hidden.device.type, enabled=False):  # out= is refused under autocast
             h, w = hidden.to(dtype), weight.to(dtype)  # cast once (N, H), (V, H); no copy when already dtype
-            loss, grad_h, grad_w = _loss_and_gradients(h, w, labels, ignore_index, rows, *ctx.needs_input_grad[:2])
+            need_h, need_w = (grads and needs for needs in ctx.needs_input_grad[:2])
+            loss, grad_h, grad_w = _loss_and_gradients(h, w, labels, ignore_index, rows, need_h, need_w)
+        if grad_w is not None:  # kept until backward in the weight's dtype (a bf16 weight's: half an fp32 sum)
+            grad_w = grad_w.to(weight.dtype)
         ctx.save_for_backward(grad_h, grad_w)
         return loss
 
     @staticmethod
     def backward(ctx, grad):
         grad_h, grad_w = ctx.saved_tensors
-        hidden_dtype, weight_dtype = ctx.dtypes
+        hidden_dtype = ctx.hidden_dtype
         grad_hidden = (grad_h * grad).to(hidden_dtype) if grad_h is not None else None
-        grad_weight = (grad_w * grad).to(weight_dtype) if grad_w is not None else None
-        return grad_hidden, grad_weight, None, None, None, None
+        grad_weight = grad_w * grad if grad_w is not None else None
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def _loss_and_gradients(h, w, labels, ignore_index, rows, need_h, need_w):

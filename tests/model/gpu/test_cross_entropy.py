@@ -70,6 +70,20 @@ def test_every_row_ignored_is_nan_with_zero_gradients():
     torch.testing.assert_close(grad_w, want_w)
 
 
+def test_no_gradients_computed_under_no_grad(monkeypatch):
+    """An evaluation's loss skips the two gradient matmuls per chunk."""
+    from seekforge.model.gpu import cross_entropy as fused_module
+
+    needed, original = [], fused_module._loss_and_gradients
+    monkeypatch.setattr(fused_module, "_loss_and_gradients", lambda *a: needed.append(a[-2:]) or original(*a))
+    hidden, weight, labels = _inputs("some")
+    hidden.requires_grad_(), weight.requires_grad_()
+    with torch.no_grad():
+        loss = fused_module.fused_linear_cross_entropy(hidden, weight, labels)
+    assert needed == [(False, False)]
+    torch.testing.assert_close(loss, F.cross_entropy(F.linear(hidden, weight), labels))
+
+
 @pytest.mark.parametrize("rows", [N, 150])  # one program of 64 rows, part empty; three (150 = 2·64 + 22)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_equals_its_reference_across_blocks(dtype, rows):
