@@ -12,12 +12,19 @@ value is summed by the layers for logging (`MoE.aux_loss`).
 Packed rows (per-document `positions` and `segment_ids`) keep every target inside its document: the
 data layer already masks the next-token label at a document's end, and `mtp_targets` masks the MTP
 targets whose token t+k+1 lies in another document than position t.
+
+On the GPU path (model/gpu) each head's cross-entropy is one fused linear + cross-entropy
+(`head_loss`, model/gpu/cross_entropy.py): the (B·T, V) logits are never materialized.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from seekforge.model.gpu import gpu_path, triton_ready
 
 IGNORE_INDEX = -100  # the label that cross_entropy skips
 
@@ -34,8 +41,7 @@ def objective(head, h, input_ids, labels, rope, mask=None, segment_ids=None, mtp
     """The objective on the main model's last hidden state h (B, T, H), before the final norm.
     head: anything holding `norm`, `lm_head`, `mtp` and `embed_tokens` (a Transformer, or the last
     pipeline stage); rope: (cos, sin) of the positions; mask: the attention mask the blocks used."""
-    logits = head.lm_head(head.norm(h))
-    lm = cross_entropy(logits.flatten(0, 1), labels.flatten())
+    lm = head_loss(head.lm_head, head.norm(h), labels)
     loss, metrics = lm, {"lm_loss": lm.detach()}
     if len(head.mtp) and mtp_loss_scale > 0:
         mtp = torch.stack(mtp_losses(head, h, input_ids, labels, rope, mask, segment_ids)).mean()
@@ -59,10 +65,26 @@ def mtp_losses(head, h, input_ids, labels, rope, mask=None, segment_ids=None) ->
     for k, module in enumerate(head.mtp, start=1):
         next_ids = shift_left(input_ids, k, 0)
         h = module(h, head.embed_tokens(next_ids), cos, sin, mask)
-        logits = head.lm_head(module.norm(h))
-        target = mtp_targets(labels, k, segment_ids)
-        losses.append(cross_entropy(logits.flatten(0, 1), target.flatten()))
+        losses.append(head_loss(head.lm_head, module.norm(h), mtp_targets(labels, k, segment_ids)))
     return losses
+
+
+def head_loss(lm_head: nn.Module, normed: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """cross_entropy(lm_head(normed)) for normed (B, T, H) and labels (B, T). On the GPU path, a plain
+    single-device head runs as model/gpu's fused linear + cross-entropy, which reads lm_head.weight
+    directly: not a tensor-parallel head (a DTensor weight), nor one with hooks on its forward (FSDP
+    gathers a sharded weight in them, probe/ records the calls), which keep the reference path."""
+    if _fused_head(lm_head, normed):
+        from seekforge.model.gpu.cross_entropy import fused_linear_cross_entropy  # imports triton: on use
+
+        return fused_linear_cross_entropy(normed.flatten(0, 1), lm_head.weight, labels.flatten(), IGNORE_INDEX)
+    return cross_entropy(lm_head(normed).flatten(0, 1), labels.flatten())
+
+
+def _fused_head(lm_head: nn.Module, normed: torch.Tensor) -> bool:
+    return (gpu_path(normed) and triton_ready(normed) and type(normed) is torch.Tensor
+            and isinstance(lm_head, nn.Linear) and lm_head.bias is None and not isinstance(lm_head.weight, DTensor)
+            and not lm_head._forward_hooks and not lm_head._forward_pre_hooks)
 
 
 def mtp_targets(labels: torch.Tensor, k: int, segment_ids: torch.Tensor | None = None) -> torch.Tensor:

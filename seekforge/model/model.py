@@ -15,6 +15,7 @@ from torch import nn
 
 from seekforge.config import ModelConfig
 from seekforge.model import kernels
+from seekforge.model.gpu import gpu_path
 from seekforge.model.kernels import Linear
 from seekforge.model.moe import MLP, MoE
 from seekforge.model.precision import matmul_dtype, onednn_size, uses_onednn
@@ -30,8 +31,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             # Nothing to round between normalizing and scaling (the fp32 residual stream under bf16
-            # autocast). On CPU F.rms_norm is a composite of five ops with autograd's backward for each.
-            if x.device.type == "cpu" and type(x) is torch.Tensor and not torch.compiler.is_compiling():
+            # autocast). On CPU F.rms_norm is a composite of five ops with autograd's backward for each; on
+            # the GPU path it is one fused kernel each way.
+            if x.device.type == "cpu" and not gpu_path(x) and type(x) is torch.Tensor \
+                    and not torch.compiler.is_compiling():
                 if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
                     return _RMSNorm.apply(x, self.weight, self.eps)
                 if x.numel() >= 16 * x.shape[-1]:  # fewer rows: F.rms_norm's one call has the smaller fixed cost
@@ -153,7 +156,7 @@ class MLA(nn.Module):
 
     def _attention(self, q, k, v, mask, is_causal, fused=False):
         """q (B, nh, T, dqk), k (B, nh, S, dqk), v (B, nh, S, dv) → (B, nh, T, dv)."""
-        if q.device.type == "cpu" and not fused:
+        if q.device.type == "cpu" and not fused and not gpu_path(q):
             # For training, attention as plain batched matmuls beats PyTorch's CPU SDPA kernels forward +
             # backward (the fused flash kernel also needs v padded to dqk; the A/B is in this file's git history).
             if torch.is_autocast_enabled("cpu"):  # autocast runs SDPA in its dtype; a Function is not cast
@@ -164,10 +167,11 @@ class MLA(nn.Module):
             if mask is None and is_causal:
                 mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
             return MatmulAttention.apply(q, k, v, mask, self.softmax_scale)
-        if q.device.type == "cpu" and v.shape[-1] < q.shape[-1]:
+        if v.shape[-1] < q.shape[-1] and (q.device.type == "cpu" or gpu_path(q)):
             # Forward only (prefill), the CPU flash kernel wins by far, in bf16 and fp32: it skips the causal
             # half and never writes the scores. It wants v as wide as q and k (else it takes its much slower
-            # unfused path), so v is zero-padded and the padding dropped.
+            # unfused path), so v is zero-padded and the padding dropped. So does the CUDA flash kernel,
+            # forward and backward (else SDPA takes the memory-efficient kernel): the GPU path pads too.
             v_pad = F.pad(v, (0, q.shape[-1] - v.shape[-1]))
             out = F.scaled_dot_product_attention(q, k, v_pad, attn_mask=mask, is_causal=is_causal and mask is None,
                                                  scale=self.softmax_scale)

@@ -136,7 +136,7 @@ class LocalDispatcher:
         flat = indices.reshape(-1)  # (S,)
         order = flat.argsort(stable=True)  # copy positions grouped by expert
         inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-        num_tokens_per_expert = torch.bincount(flat, minlength=num_experts)
+        num_tokens_per_expert = count_per_expert(flat, num_experts)
         token_of_copy = order // indices.shape[1]
         return gather_copies(x, token_of_copy, inverse, indices.shape[1]), num_tokens_per_expert, (order, inverse)
 
@@ -149,6 +149,15 @@ class LocalDispatcher:
         n, k = weights.shape
         unsorted = gather_copies(y, inverse, order, 1).view(n, k, -1)  # back to (token, k) order
         return weighted_sum(unsorted, weights)
+
+
+def count_per_expert(flat: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """flat (S,) expert ids → (E,) int64 copies per expert: bincount, which on the GPU path would read the ids'
+    maximum on the host (a sync) to size its output, so there a scatter-add of ones into E zeros."""
+    if gpu_path(flat):
+        counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
+        return counts.scatter_add_(0, flat, torch.ones_like(flat))
+    return torch.bincount(flat, minlength=num_experts)
 
 
 def weighted_sum(unsorted: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -297,11 +306,12 @@ class ExpertSlots:
 def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Rows of x, grouped by `counts`, times the transposed weight of their group: x_g @ W_gᵀ.
 
-    `torch._grouped_mm` does this in one kernel; it needs 16-byte aligned rows and a matching dtype,
-    otherwise the exact per-expert loop runs (`grouped_mm_reference`). On CPU the loop runs as
-    `_ExpertLoopMM` (the same mms, fewer copies around them).
+    `torch._grouped_mm` does this in one kernel, with the groups' offsets on the device (no sync); it needs
+    16-byte aligned rows and a matching dtype, otherwise the exact per-expert loop runs (`grouped_mm_reference`,
+    which reads the counts on the host). On CPU the loop runs as `_ExpertLoopMM` (the same mms, fewer copies
+    around them); the GPU path (model/gpu) takes `torch._grouped_mm` on a CPU too.
     """
-    if x.device.type == "cpu" and not torch.compiler.is_compiling():
+    if x.device.type == "cpu" and not gpu_path(x) and not torch.compiler.is_compiling():
         if torch.is_autocast_enabled("cpu"):
             # Cast the stacked weight once (one (E, O, I) copy, and one cast of its gradient in
             # backward) instead of autocast casting each expert's slice at each mm, both ways.
@@ -312,6 +322,9 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> t
         if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
             return _ExpertLoopMM.apply(x, weight, counts.tolist())
         return expert_loop_mm(x, weight, counts.tolist())  # serving: no autograd.Function to enter
+    if torch.is_autocast_enabled(x.device.type):  # _grouped_mm is not an autocast op: cast it the one time here
+        dtype = torch.get_autocast_dtype(x.device.type)
+        x, weight = x.to(dtype), weight.to(dtype)
     if _grouped_mm_ok(x, weight):
         offsets = counts.cumsum(0).to(torch.int32)
         return torch._grouped_mm(x.contiguous(), weight.transpose(-2, -1), offs=offsets)
@@ -429,7 +442,7 @@ class BucketedRows:
 def _grouped_mm_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
     if not hasattr(torch, "_grouped_mm") or x.dtype != weight.dtype:
         return False
-    if x.device.type == "cpu":
+    if x.device.type == "cpu" and not gpu_path(x):
         # torch's CPU _grouped_mm runs each group as an mm into a strided slice of the output, well
         # below plain mm speed (torch 2.13, bf16); the per-expert loop of plain mms is faster for a
         # whole MoE layer forward + backward (train_step.py's transformers:grouped_mm row, BENCHMARKS.md).
@@ -481,11 +494,12 @@ class MoE(nn.Module):
         if shared is not None:
             out = out + shared
         # Counted in training only (serving has no use for them), and not during activation-recompute
-        # replays in backward, which would count every token twice.
-        counting = self.training and torch._C._current_graph_task_id() == -1
+        # replays in backward, which would count every token twice. A compiled block's replay is its graph's,
+        # which never runs this Python again: asking torch.compile for the graph task id would break the graph.
+        counting = self.training and (torch.compiler.is_compiling() or torch._C._current_graph_task_id() == -1)
         if counting:
             with torch.no_grad():  # this rank's routing decisions, whichever rank runs the experts
-                num_tokens_per_expert = torch.bincount(indices.reshape(-1), minlength=self.cfg.n_routed_experts)
+                num_tokens_per_expert = count_per_expert(indices.reshape(-1), self.cfg.n_routed_experts)
                 self.tokens_per_expert += num_tokens_per_expert.to(self.tokens_per_expert.dtype)
         if self.training and self.aux_loss_coeff > 0:
             aux_loss = self.aux_loss_coeff * sequence_balance_loss(scores, indices, shape[0], self.cfg)

@@ -14,21 +14,22 @@ import torch.distributed as dist
 
 
 @torch.no_grad()
-def update_expert_bias(moe_layers, bias_update_speed: float, group=None) -> list[float]:
+def update_expert_bias(moe_layers, bias_update_speed: float, group=None) -> torch.Tensor | None:
     """Apply one bias update per MoE layer, reset the counts, and return each layer's load
-    imbalance max/mean (1.0 = perfectly balanced) measured before the update.
+    imbalance max/mean (1.0 = perfectly balanced) measured before the update: an (L,) fp32 tensor on
+    the counts' device, read by the caller when it logs (no host sync here); None without MoE layers.
 
     group: the data-parallel process group to sum counts over; None = the default group when
     torch.distributed is initialized, else no communication.
     """
     if not moe_layers:
-        return []
+        return None
     # One all-reduce for all layers: stack the (E,) counts into (L, E).
     counts = torch.stack([m.tokens_per_expert.float() for m in moe_layers])  # (L, E)
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(counts, group=group)
     mean = counts.mean(dim=1, keepdim=True)  # (L, 1)
-    imbalance = (counts.amax(dim=1) / mean.squeeze(1).clamp_min(1e-9)).tolist()
+    imbalance = counts.amax(dim=1) / mean.squeeze(1).clamp_min(1e-9)
     step = bias_update_speed * torch.sign(mean - counts)  # (L, E)
     for layer, delta in zip(moe_layers, step, strict=True):
         bias = layer.gate.e_score_correction_bias

@@ -13,6 +13,14 @@ parallelize) and the loader yields this data-parallel rank's slice of the global
 ranks before the bias update, logged losses are their mean (the single-device loss of the global
 batch), only rank 0 logs, and checkpoints are DCP (each rank writes its shards).
 
+On the GPU path (model/gpu: CUDA) a step never waits for the device: its metrics stay device tensors
+(`train_step` returns them so) and `fit` reads them on logging steps only — those that print a log line,
+evaluate, save a checkpoint or end the run — all the steps since the last one in one device→host copy
+(`read_metrics`); their tokens/s, step time and MFU are then the window's mean (a step's own wall time
+would measure only how fast the host queued its kernels). metrics.jsonl gets every step's line, written
+at those steps (a probe monitor, when one is configured, reads the loss every step: a sync each). On a CPU
+the step reads its metrics itself (a copy there costs nothing): one record a step, as before.
+
 Pipeline parallelism: `model` is then a PipelineRunner (parallel/pp.py). Each of this rank's stages
 has its own optimizer (checkpoint names stay per stage), the schedule runs forward and backward of
 every micro-batch with the same objective, the grad norm and the balance loss add up over the pipeline
@@ -33,6 +41,7 @@ from tqdm import tqdm
 
 from seekforge.config import TrainConfig
 from seekforge.model.dtensor import plain_tensor
+from seekforge.model.gpu import gpu_path
 from seekforge.model.loss import lm_loss
 from seekforge.model.moe import MoE
 from seekforge.model.precision import resolve_dtype
@@ -151,6 +160,10 @@ class Trainer:
         except StopIteration:  # a finite loader: start its next epoch
             self._iterator = iter(self.loader)
             batch = next(self._iterator)
+        if self.device.type == "cuda":
+            # A copy from pageable memory may wait for the device's queue to drain (CUDA stages it); from
+            # pinned memory it never does. torch's caching host allocator reuses the pinned buffers.
+            batch = {k: v if v.is_pinned() or v.device.type != "cpu" else v.pin_memory() for k, v in batch.items()}
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
     def train_step(self) -> dict:
@@ -196,16 +209,32 @@ class Trainer:
         self.step += 1
 
         values = self._mean_over_loss_ranks([sums[n] for n in self.loss_names] + [grad_norm.float()])
-        elapsed = time.perf_counter() - start
-        tokens_per_s = self.tokens_per_step / elapsed
         metrics = dict(zip(self.loss_names, values[:-1], strict=True))
-        metrics.update(grad_norm=values[-1], lr=lr, tokens_per_s=tokens_per_s, step_time_s=elapsed,
-                       mfu=self._mfu(tokens_per_s))
-        if imbalance:
+        metrics.update(grad_norm=values[-1], lr=lr)
+        if imbalance is not None:
             metrics["expert_imbalance"] = imbalance  # max/mean tokens per expert, per MoE layer
-            metrics["expert_imbalance_max"] = max(imbalance)
+            metrics["expert_imbalance_max"] = imbalance.max()
+        if not gpu_path(self.device):
+            self.read_metrics([metrics], time.perf_counter() - start)
         self.probe.end_step(self.step, metrics)
         return metrics
+
+    def read_metrics(self, records: list[dict], seconds: float) -> list[dict]:
+        """train_step's records of the steps that took `seconds` together, their device tensors read as floats
+        (lists for per-layer values) in one device→host copy — the one sync of a logging step on the GPU path —
+        and each given its share of the time: step_time_s, tokens_per_s and mfu. In place; returns `records`."""
+        tensors = [(r, k) for r in records for k, v in r.items() if isinstance(v, torch.Tensor)]
+        if tensors:
+            flat = torch.cat([r[k].detach().reshape(-1).float() for r, k in tensors]).tolist()
+            for r, k in tensors:
+                n = r[k].numel()
+                r[k], flat = (flat[0] if r[k].dim() == 0 else flat[:n]), flat[n:]
+        elapsed = seconds / max(1, len(records))
+        tokens_per_s = self.tokens_per_step / elapsed
+        for r in records:  # the keys in the CPU path's order: the timing right after lr
+            later = {k: r.pop(k) for k in list(r)[list(r).index("lr") + 1:]}
+            r.update(tokens_per_s=tokens_per_s, step_time_s=elapsed, mfu=self._mfu(tokens_per_s), **later)
+        return records
 
     def _take_aux_loss(self) -> torch.Tensor:
         """The mean over this step's forward passes of Σ_layers balance loss, reset for the next step;
@@ -218,15 +247,15 @@ class Trainer:
             dist.all_reduce(total, group=self.pp_group)
         return total / self.forwards_per_step
 
-    def _mean_over_loss_ranks(self, values: list[torch.Tensor]) -> list[float]:
+    def _mean_over_loss_ranks(self, values: list[torch.Tensor]) -> torch.Tensor:
         """Scalars averaged over the ranks that hold the loss: every rank, or those of the last
-        pipeline stage. TP replicas hold equal values, so this is the data-parallel mean. One
-        device→host sync."""
+        pipeline stage. TP replicas hold equal values, so this is the data-parallel mean. A device
+        tensor (one all-reduce; no host sync)."""
         holds_loss = float(self.runner is None or self.runner.last is not None)
         values = torch.stack([v.to(self.device) for v in values] + [torch.ones((), device=self.device)]) * holds_loss
         if _distributed():
             dist.all_reduce(values)
-        return (values[:-1] / values[-1]).tolist()
+        return values[:-1] / values[-1]
 
     def _mfu(self, tokens_per_s: float) -> float:
         achieved = tokens_per_s * self.flops_per_token / self.num_devices
@@ -258,7 +287,7 @@ class Trainer:
             module.train()
         for moe, counts in zip(self.moe_layers, saved_counts, strict=True):
             moe.tokens_per_expert.copy_(counts)
-        return self._mean_over_loss_ranks([torch.stack(losses).mean()])[0]
+        return self._mean_over_loss_ranks([torch.stack(losses).mean()]).item()
 
     # ------------------------------------------------------------------ the loop
     def _guarded_step(self) -> dict:
@@ -280,24 +309,34 @@ class Trainer:
         history: list[dict] = []
         bar = tqdm(total=cfg.steps, initial=self.step, disable=not self.is_main, unit="step",
                    dynamic_ncols=True, mininterval=1.0)
-        window: list[dict] = []
+        window: list[dict] = []  # the steps of the next log line
+        unread: list[dict] = []  # the steps whose metrics are still on the device (GPU path)
+        since = time.perf_counter()
         while self.step < end:
-            metrics = self._guarded_step()
-            if cfg.eval_interval and self.step % cfg.eval_interval == 0 and self.step < cfg.steps:
-                metrics["eval_loss"] = self.evaluate()
-            if self.step == cfg.steps:
-                metrics["eval_loss"] = self.evaluate()
-            history.append(metrics)
-            window.append(metrics)
-            logger.log(self.step, metrics)
-            bar.update(1)
+            unread.append(self._guarded_step())
+            evaluating = bool(cfg.eval_interval and self.step % cfg.eval_interval == 0) or self.step == cfg.steps
+            log_line = bool(cfg.log_interval and (self.step % cfg.log_interval == 0 or self.step == end))
+            saving = bool(cfg.save_interval and self.step % cfg.save_interval == 0 and self.step < end)
+            if gpu_path(self.device):
+                if not (log_line or evaluating or saving or self.step == end):
+                    continue  # not a logging step: the host keeps queueing work
+                self.read_metrics(unread, time.perf_counter() - since)
+            if evaluating:
+                unread[-1]["eval_loss"] = self.evaluate()
+            for i, metrics in enumerate(unread):
+                logger.log(self.step - len(unread) + 1 + i, metrics)
+            history += unread
+            window += unread
+            bar.update(len(unread))
             bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}",
                             mfu=f"{100 * metrics['mfu']:.1f}%", refresh=False)
-            if self.is_main and cfg.log_interval and (self.step % cfg.log_interval == 0 or self.step == end):
+            unread = []
+            if self.is_main and log_line:
                 bar.write(self._log_line(window, bar))
                 window = []
-            if cfg.save_interval and self.step % cfg.save_interval == 0 and self.step < end:
+            if saving:
                 self.save()
+            since = time.perf_counter()
         bar.close()
         self.probe.close(self.step)
         if history:  # the final (or interrupted) state is always saved

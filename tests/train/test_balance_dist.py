@@ -27,7 +27,7 @@ def _worker(rank: int, port: int, results):
     try:
         moe = MoE(preset("tiny"))
         moe.tokens_per_expert.copy_(torch.tensor(LOCAL_COUNTS[rank]))
-        imbalance = update_expert_bias([moe], bias_update_speed=0.1)
+        imbalance = update_expert_bias([moe], bias_update_speed=0.1).tolist()
         results[rank] = (imbalance, moe.gate.e_score_correction_bias.tolist())
     finally:
         dist.destroy_process_group()
@@ -38,7 +38,7 @@ def test_update_uses_global_counts_across_ranks():
     mp.spawn(_worker, args=(_free_port(), results), nprocs=2, join=True)
     single = MoE(preset("tiny"))
     single.tokens_per_expert.copy_(torch.tensor(LOCAL_COUNTS).sum(0))
-    expected_imbalance = update_expert_bias([single], bias_update_speed=0.1)
+    expected_imbalance = update_expert_bias([single], bias_update_speed=0.1).tolist()
     expected_bias = single.gate.e_score_correction_bias.tolist()
     assert expected_imbalance == [3.0]
     for rank in (0, 1):
