@@ -80,8 +80,14 @@ def train_row(cfg: ModelConfig, s: Shapes, device: torch.device, dtype: str, tim
     del trainer, model
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return ("train step" + (" (compiled)" if compiled else ""), f"{tokens_per_s:,.0f} tok/s, MFU {100 * mfu:.1f}%",
+    return shown("train step" + (" (compiled)" if compiled else ""), f"{tokens_per_s:,.0f} tok/s, MFU {100 * mfu:.1f}%",
             "—", "—", *cost.cells(), f"{s.batch}×{s.seq}, {memory}peak {peak / 1e9:,.0f} GFLOP/s measured")
+
+
+def shown(*row: str) -> tuple:
+    """A finished row, printed at once (a run stopped by its time limit still shows the rows it measured)."""
+    print("[row] " + " | ".join(row), flush=True)
+    return row
 
 
 def serving_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype):
@@ -110,17 +116,19 @@ def decode_rows(llms: dict, hf, prompts, s: Shapes, device: torch.device, timer:
         ms[name] = per_token_ms(lambda llm=llm: llm.generate(one.tolist(), first),
                                 lambda llm=llm: llm.generate(one.tolist(), decode))
         cost = step_cost(lambda llm=llm: llm.generate(one.tolist(), decode), new, ms[name] / 1000, device)
-        rows.append((f"decode batch-1 ({name})", f"{ms[name]:.2f} ms/token", f"{hf_ms:.2f} ms/token",
-                     f"{hf_ms / ms[name]:.2f}×", *cost.cells(), f"{new} new tokens after {s.prompt}; lower is better"))
+        rows.append(shown(f"decode batch-1 ({name})", f"{ms[name]:.2f} ms/token", f"{hf_ms:.2f} ms/token",
+                          f"{hf_ms / ms[name]:.2f}×", *cost.cells(),
+                          f"{new} new tokens after {s.prompt}; lower is better"))
     llm = next(iter(llms.values()))
     n = s.requests
     outs, t_sf = timer(lambda: llm.generate(prompts.tolist(), decode))
     hf_out, t_hf = timer(lambda: hf_generate(hf, prompts.to(device), new))
     same = sum(o.outputs[0].token_ids == h.tolist() for o, h in zip(outs, hf_out, strict=True))
-    steps = new + 1  # about: one prefill step, then a decode step per token (every request in each)
-    cost = step_cost(lambda: llm.generate(prompts.tolist(), decode), steps, t_sf / steps, device)
-    rows.append(("throughput", f"{n * new / t_sf:,.0f} new tok/s", f"{n * new / t_hf:,.0f} new tok/s",
-                 f"{t_hf / t_sf:.2f}×", *cost.cells(), f"{n} × ({s.prompt} + {new}); greedy identical {same}/{n}"))
+    # the cost of a step from a shorter run of the same requests: one prefill step, then a decode step per token
+    short = SamplingParams(temperature=0, max_tokens=min(new, 32), ignore_eos=True)
+    cost = step_cost(lambda: llm.generate(prompts.tolist(), short), short.max_tokens + 1, t_sf / (new + 1), device)
+    rows.append(shown("throughput", f"{n * new / t_sf:,.0f} new tok/s", f"{n * new / t_hf:,.0f} new tok/s",
+                      f"{t_hf / t_sf:.2f}×", *cost.cells(), f"{n} × ({s.prompt} + {new}); greedy identical {same}/{n}"))
     return rows, ms[next(iter(llms))]
 
 
@@ -153,7 +161,7 @@ def prefix_row(model, tok, s: Shapes, device: torch.device, timer: Timer, gen) -
         seconds[caching] = timer(lambda llm=llms[caching]: llm.generate(shared, short))[1]
     steps = s.prefix_new + 1
     cost = step_cost(lambda: llms[True].generate(shared, short), steps, seconds[True] / steps, device)
-    return ("prefix cache", f"{seconds[True]:.2f} s (on)", f"{seconds[False]:.2f} s (off)",
+    return shown("prefix cache", f"{seconds[True]:.2f} s (on)", f"{seconds[False]:.2f} s (off)",
             f"{seconds[False] / seconds[True]:.2f}×", *cost.cells(), f"{n} × ({s.prefix} shared + {s.suffix}) → "
             f"{s.prefix_new}")
 
@@ -171,9 +179,11 @@ def speculative_row(model, tok, s: Shapes, device: torch.device, timer: Timer, o
     cost = step_cost(lambda: spec.generate(one.tolist(), decode), s.new, spec_ms / 1000, device)
     same = spec.generate(one.tolist(), decode)[0].outputs[0].token_ids == \
         plain.generate(one.tolist(), decode)[0].outputs[0].token_ids
-    return ("speculative", f"{spec_ms:.2f} ms/token (k=1)", f"{sf_ms:.2f} ms/token (k=0)", f"{sf_ms / spec_ms:.2f}×",
-            *cost.cells(), f"batch 1, MTP drafts accepted {spec.engine.spec.acceptance_rate:.0%} (random weights); "
-            f"greedy output {'identical' if same else 'DIFFERS'}")
+    return shown("speculative", f"{spec_ms:.2f} ms/token (k=1)", f"{sf_ms:.2f} ms/token (k=0)",
+                 f"{sf_ms / spec_ms:.2f}×", *cost.cells(), f"batch 1, MTP drafts accepted "
+                 f"{spec.engine.spec.acceptance_rate:.0%} (random weights); "
+                 f"greedy output {'identical' if same else 'DIFFERS'}")
+
 
 def print_table(rows: list[tuple]) -> None:
     header = ("measurement", "seekforge", "transformers / baseline", "speed-up", "launches/step", "host syncs/step",
