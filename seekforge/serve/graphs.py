@@ -64,6 +64,7 @@ import time
 import torch
 
 from seekforge.model.gpu.mla_decode import mla_decode
+from seekforge.serve.compiled import CompiledDecode
 from seekforge.serve.kv_cache import PagedLatentCache, plain_decode_rows
 
 log = logging.getLogger("seekforge.serve")
@@ -153,15 +154,13 @@ class GraphedDecode:
 
     @staticmethod
     def supports(model, config) -> str | None:
-        """Why this model and engine config cannot replay graphed decode steps, or None when they can."""
-        if config.kv_cache_dtype != "auto":
-            return "int8 latents are dequantized by the eager gather"
-        if config.enable_lora:
-            return "LoRA rows run eagerly"
+        """Why this model and engine config cannot replay graphed decode steps, or None when they can: what a
+        compiled step cannot take either (int8 latents, LoRA, quantized or sharded weights), and more."""
+        why_not = CompiledDecode.supports(model, config)
+        if why_not:
+            return why_not
         if config.speculative_tokens:
             return "speculative decoding verifies its drafts eagerly"
-        if any(type(p.data) is not torch.Tensor or not p.is_floating_point() for p in model.parameters()):
-            return "quantized or sharded weights keep their own kernels"
         if torch.distributed.is_available() and torch.distributed.is_initialized() \
                 and torch.distributed.get_world_size() > 1:
             return "serving across ranks decodes eagerly (collectives are not captured)"

@@ -13,6 +13,16 @@ import triton.language as tl
 
 
 @triton.jit
+def _tile_rows(tile, sorted_ids_ptr, tile_expert_ptr, num_copies, BLOCK_M: tl.constexpr):
+    """A real tile's padded rows (BM,), the copy in each (the sentinel S on padding), which are real, and its
+    expert (int64: E·2I·H overflows int32 at DeepSeek-V3's sizes)."""
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    copy = tl.load(sorted_ids_ptr + rows)
+    expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
+    return rows, copy, copy < num_copies, expert
+
+
+@triton.jit
 def gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ids_ptr, tile_expert_ptr, num_tiles_ptr,
                    num_copies, top_k, hidden, inter,
                    stride_x, stride_we, stride_wo, stride_wh, stride_act,
@@ -24,11 +34,8 @@ def gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ids_ptr, tile_expert_ptr, num_t
     tile = tl.program_id(0)
     if tile >= tl.load(num_tiles_ptr):
         return
-    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # (BM,) padded rows
-    copy = tl.load(sorted_ids_ptr + rows)
-    real = copy < num_copies
+    rows, copy, real, expert = _tile_rows(tile, sorted_ids_ptr, tile_expert_ptr, num_copies, BLOCK_M)
     token = (copy // top_k).to(tl.int64)
-    expert = tl.load(tile_expert_ptr + tile).to(tl.int64)  # int64: E·2I·H overflows int32 at DeepSeek-V3's sizes
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,) intermediate columns
     col_ok = cols < inter
     ks = tl.arange(0, BLOCK_K)
@@ -67,10 +74,7 @@ def down_kernel(act_ptr, w_ptr, weights_ptr, out_ptr, sorted_ids_ptr, tile_exper
     tile = tl.program_id(0)
     if tile >= tl.load(num_tiles_ptr):
         return
-    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # (BM,) padded rows
-    copy = tl.load(sorted_ids_ptr + rows)
-    real = copy < num_copies
-    expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
+    rows, copy, real, expert = _tile_rows(tile, sorted_ids_ptr, tile_expert_ptr, num_copies, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,) hidden columns
     col_ok = cols < hidden
     ks = tl.arange(0, BLOCK_K)
