@@ -26,7 +26,7 @@ import torch
 
 from seekforge.config import preset
 from seekforge.model.model import build_model
-from seekforge.rl.algorithm import BatchTotals, group_advantages, policy_loss, token_log_probs, token_weights
+from seekforge.rl.algorithm import group_advantages, policy_loss, sequence_weights, token_log_probs, token_share
 from seekforge.rl.packing import pack_sequences
 from seekforge.rl.update import LossSettings, TrainingBatch, accumulate_gradients
 
@@ -45,11 +45,12 @@ def mixed_batch(vocab: int, seed: int = 0):
             completions.append([rng.randrange(vocab) for _ in range(n)])
     rewards = torch.tensor([rng.random() for _ in completions])
     lengths = [len(c) for c in completions]
-    batch = TrainingBatch(lengths, group_advantages(rewards, G), None, None)
-    return prompts, completions, batch, BatchTotals(len(lengths), sum(lengths), MAX_NEW)
+    weights = sequence_weights(SETTINGS.loss_type, torch.tensor(lengths), MAX_NEW)
+    return prompts, completions, TrainingBatch(lengths, group_advantages(rewards, G), None, None, weights,
+                                               token_share(torch.tensor(lengths)))
 
 
-def padded_step(model, prompts, completions, batch, totals, micro_batch: int = 8):
+def padded_step(model, prompts, completions, batch, micro_batch: int = 8):
     """Forward + backward in padded micro-batches (padding gets its own segment id and no loss)."""
     for start in range(0, len(completions), micro_batch):
         idx = range(start, min(start + micro_batch, len(completions)))
@@ -65,20 +66,18 @@ def padded_step(model, prompts, completions, batch, totals, micro_batch: int = 8
         logits = model.lm_head(model.norm(h[:, :-1]))  # (B, width-1, V), position p predicts p + 1
         targets = ids[:, 1:]
         mask = torch.zeros(len(seqs), width - 1)
-        advantages = torch.zeros(len(seqs), 1)
+        advantages, weights = torch.zeros(len(seqs), 1), torch.zeros(len(seqs), 1)
         for r, i in enumerate(idx):
             mask[r, len(prompts[i]) - 1:len(prompts[i]) - 1 + len(completions[i])] = 1
-            advantages[r] = batch.advantages[i]
+            advantages[r], weights[r] = batch.advantages[i], batch.weights[i]
         logp, _ = token_log_probs(logits, targets)
-        lengths = mask.sum(-1, keepdim=True).expand_as(mask)
-        weights = token_weights(SETTINGS.loss_type, lengths, totals) * mask
-        loss, _ = policy_loss(logp, logp.detach(), advantages, weights, SETTINGS.clip_low, SETTINGS.clip_high)
+        loss, _ = policy_loss(logp, logp.detach(), advantages, weights * mask, SETTINGS)
         loss.backward()
 
 
-def packed_step(model, prompts, completions, batch, totals, max_pack_tokens: int = 1024):
+def packed_step(model, prompts, completions, batch, max_pack_tokens: int = 1024):
     rows = pack_sequences(prompts, completions, max_pack_tokens, max_pack_count=64)
-    accumulate_gradients(model, rows, batch, totals, SETTINGS)
+    accumulate_gradients(model, rows, batch, SETTINGS)
 
 
 def gradient(model):
@@ -94,7 +93,7 @@ def main():
         torch.set_num_threads(args.threads)
     cfg = preset("small", num_nextn_predict_layers=0, max_position_embeddings=512)
     model = build_model(cfg, seed=0)
-    prompts, completions, batch, totals = mixed_batch(cfg.vocab_size)
+    prompts, completions, batch = mixed_batch(cfg.vocab_size)
     real = sum(len(p) + len(c) for p, c in zip(prompts, completions, strict=True))
     padded_tokens = sum(max(len(prompts[i]) + len(completions[i]) for i in range(s, s + 8)) * 8
                         for s in range(0, len(completions), 8))
@@ -107,7 +106,7 @@ def main():
     grads = {}
     for name, fn in (("padded", padded_step), ("packed", packed_step)):
         model.zero_grad(set_to_none=True)
-        fn(model, prompts, completions, batch, totals)
+        fn(model, prompts, completions, batch)
         grads[name] = gradient(model)
     rel = ((grads["packed"] - grads["padded"]).norm() / grads["padded"].norm()).item()
     assert rel <= 1e-5, f"packed and padded gradients differ: {rel:.2e}"
@@ -118,7 +117,7 @@ def main():
         for name, fn in (("padded", padded_step), ("packed", packed_step)):
             model.zero_grad(set_to_none=True)
             start = time.perf_counter()
-            fn(model, prompts, completions, batch, totals)
+            fn(model, prompts, completions, batch)
             times[name].append(time.perf_counter() - start)
     padded, packed = statistics.median(times["padded"]), statistics.median(times["packed"])
     print(f"training phase (forward + backward), median of {args.repeats}: padded (TRL layout) {padded:.2f}s, "

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import yaml
 
+from seekforge.rl.algorithm import LOSS_TYPES
 from seekforge.rl.config import GRPOConfig
 from seekforge.rl.data import BUILTIN
 from seekforge.train.config_file import command_line, config_to_dict, interrupt_hint_of, load_config
@@ -33,7 +34,8 @@ _FLAGS = [
     ("--prompts-per-step", "prompts_per_step", int, "prompts per rollout batch"),
     ("--group-size", "group_size", int, "completions per prompt (G)"),
     ("--max-new-tokens", "max_new_tokens", int, "completion length limit"),
-    ("--loss-type", "loss_type", str, "grpo | bnpo | dapo | dr_grpo"),
+    ("--loss-type", "loss_type", str, f"{' | '.join(LOSS_TYPES)} (TRL's; the other loss options, e.g. "
+                                      "--set scale_rewards=batch, in seekforge/rl/config.py)"),
     ("--lr", "lr", float, "learning rate"),
     ("--beta", "beta", float, "KL-to-reference coefficient (0: no reference model)"),
     ("--seed", "seed", int, "prompts, sampling and the built-in base"),

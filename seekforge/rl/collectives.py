@@ -5,7 +5,7 @@ Under torchrun every rank has its own engine and rolls out its balanced share of
 parameters, gradients and optimizer state sharded; each engine generates on a full replica that every
 update refreshes, rl/replica.py) or replicated (fsdp=False: every rank holds the full policy and its
 optimizer state). Either way gradients are summed over ranks, never averaged: the loss weights already
-divide by the global batch totals (rl/algorithm.BatchTotals), so the sum is the whole batch's gradient.
+divide by the whole batch's totals (rl/algorithm.sequence_weights), so the sum is the whole batch's gradient.
 """
 
 from __future__ import annotations
@@ -53,6 +53,20 @@ def all_groups(mine: list[int], completions: list[list[int]], rewards: list[floa
     return all_completions, all_rewards, merged
 
 
+def all_sequences(mine: list[int], values: list[torch.Tensor], num_sequences: int) -> list[torch.Tensor]:
+    """This rank's per-sequence tensors (for its sequences `mine`, indices into the step's group-major
+    list) → every sequence's, in global order (each rank holds whole groups; every index is someone's)."""
+    pieces = [(mine, [v.cpu() for v in values])]
+    if distributed():
+        pieces = [None] * dist.get_world_size()
+        dist.all_gather_object(pieces, (mine, [v.cpu() for v in values]))
+    out: list = [None] * num_sequences
+    for indices, tensors in pieces:
+        for i, value in zip(indices, tensors, strict=True):
+            out[i] = value
+    return out
+
+
 def sum_gradients_over_ranks(model) -> None:
     """Replicated policies' gradients summed over ranks. A routed expert may get tokens on one rank
     only: it gets a (zero) gradient everywhere iff some rank has one, so the reductions line up and
@@ -71,7 +85,7 @@ def sum_gradients_over_ranks(model) -> None:
 
 def shard_policy(policy) -> None:
     """FSDP2 over all ranks, gradients summed rather than averaged: the loss weights already divide by
-    the global batch totals (rl/algorithm.BatchTotals)."""
+    the whole batch's totals (rl/algorithm.sequence_weights)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 

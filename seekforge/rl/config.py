@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from seekforge.config import OptimizerConfig
-from seekforge.rl.algorithm import LOSS_TYPES
+from seekforge.rl.algorithm import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SCALE_REWARDS, scale_rewards_mode
 from seekforge.rl.data import check_data_spec
 from seekforge.rl.rewards import resolve_reward
 from seekforge.train.config_file import load_config
@@ -45,13 +45,34 @@ class GRPOConfig:
     prompts_per_step: int = 64
     group_size: int = 8  # G completions per prompt
     max_new_tokens: int = 8
-    temperature: float = 1.0
+    # The loss (rl/algorithm.py). Names and values are TRL 1.16 GRPOConfig's (epsilon → clip_low, epsilon_high →
+    # clip_high, num_iterations → mu): a TRL run's settings give TRL's gradients (tests/rl/test_trl_end_to_end.py).
+    temperature: float = 1.0  # sampling temperature; training log-probs are of logits / temperature, as TRL's
     mu: int = 1  # optimizer steps per rollout batch (old log-probs stored when > 1)
-    loss_type: str = "dapo"  # grpo | bnpo | dapo | dr_grpo
+    loss_type: str = "dapo"  # grpo | bnpo | dapo | dr_grpo | cispo | sapo (rl/algorithm.surrogate, sequence_weights)
     clip_low: float = 0.2
-    clip_high: float = 0.28  # DAPO clip-higher
+    clip_high: float = 0.28  # DAPO clip-higher; cispo: the cap of the ratio itself (ε_max; ScaleRL uses 5.0)
     beta: float = 0.0  # KL-to-reference coefficient (k3); 0 builds no reference model
-    scale_rewards: bool = True  # divide advantages by the group's std (False: Dr. GRPO)
+    # "group": advantages divided by the group's reward std | "batch": by the whole batch's (PPO Lite) | "none":
+    # not divided (Dr. GRPO). true / false (this field's old values, and TRL's) mean "group" / "none".
+    scale_rewards: str = field(default="group", metadata={"also_bool": True})
+    # k3 times the ratio π/π_old (DeepSeek-V3.2's correction: the unbiased reverse-KL gradient). False, seekforge's
+    # default: the plain k3 of DeepSeekMath's GRPO, which runs with beta > 0 were trained with, so their results and
+    # resumes stay as they were (beta = 0 by default, so neither matters then). TRL 1.16 defaults to true: set it
+    # true to get a TRL run's numbers.
+    use_bias_correction_kl: bool = False
+    importance_sampling_level: str = "token"  # "sequence": GSPO, one ratio per sequence (its mean log-ratio)
+    delta: float | None = None  # two-sided clipping (INTELLECT-2): the ratio also capped at delta; null: off
+    sapo_temperature_pos: float = 1.0  # loss_type sapo: the gate's temperature for positive advantages
+    sapo_temperature_neg: float = 1.05  # ... and for the others
+    mask_truncated_completions: bool = False  # completions cut at max_new_tokens stay out of the loss (DAPO)
+    # keep in the policy term only the tokens at or above this entropy quantile of their micro-batch (0.2 in the
+    # paper, arXiv:2506.01939); 1: all. < 1 costs a forward without a graph per optimizer step.
+    top_entropy_quantile: float = 1.0
+    # TRL's micro-batch (per_device_train_batch_size sequences, consecutive in the step's group-major order): what
+    # bnpo normalizes by and top_entropy_quantile ranks within. 0: the whole step (bnpo = dapo). It changes no
+    # computation's layout: training rows are packed whatever it is.
+    micro_batch_size: int = 0
     lr: float = 1e-4
     warmup: int = 0
     weight_decay: float = 0.0
@@ -101,6 +122,37 @@ class GRPOConfig:
         return OptimizerConfig(lr=self.lr, min_lr=self.lr, warmup=self.warmup, steps=self.steps * self.mu,
                                weight_decay=self.weight_decay, betas=(0.9, 0.99))
 
+    def _validate_loss(self, bad) -> None:
+        """The loss's fields (TRL's rules); scale_rewards's bools become their names here."""
+        if self.loss_type not in LOSS_TYPES:
+            bad("loss_type", f"choose one of {LOSS_TYPES}")
+        if isinstance(self.scale_rewards, bool):
+            self.scale_rewards = scale_rewards_mode(self.scale_rewards)
+        if self.scale_rewards not in SCALE_REWARDS:
+            bad("scale_rewards", f"choose one of {SCALE_REWARDS} (true / false: group / none)")
+        if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+            bad("importance_sampling_level", f"choose one of {IMPORTANCE_SAMPLING_LEVELS}")
+        if self.loss_type == "cispo" and self.clip_high < 1:
+            bad("clip_high", "cispo caps the ratio itself at clip_high (TRL's epsilon_high, ε_max): give the cap, "
+                             "e.g. clip_high=5.0 as ScaleRL does; below 1 it would shrink every token's weight")
+        if isinstance(self.delta, str):  # YAML 1.1 reads 1e0 as a string, as GRPOConfig's float fields allow
+            self.delta = float(self.delta) if _parses_as_number(self.delta) else self.delta
+        if self.delta is not None and (not _is_number(self.delta) or self.delta <= 1):
+            bad("delta", "the two-sided clip's cap of the ratio: a number > 1 (TRL recommends > 1 + clip_high, "
+                         "INTELLECT-2 uses 4), or null: off")
+        if self.delta is not None:
+            self.delta = float(self.delta)
+        for key in ("sapo_temperature_pos", "sapo_temperature_neg"):
+            if getattr(self, key) <= 0:
+                bad(key, "must be > 0")
+        if not 0 <= self.top_entropy_quantile <= 1:
+            bad("top_entropy_quantile", "must be in [0, 1] (1: every token)")
+        if not isinstance(self.micro_batch_size, int) or self.micro_batch_size < 0:
+            bad("micro_batch_size", "must be an integer >= 0 (0: the whole step is one micro-batch)")
+        if self.micro_batch_size and (self.prompts_per_step * self.group_size) % self.micro_batch_size:
+            bad("micro_batch_size", f"must divide the step's {self.prompts_per_step * self.group_size} sequences "
+                                    "(prompts_per_step x group_size)")
+
     def validate(self) -> None:
         def bad(key, msg):
             raise ValueError(f"GRPOConfig.{key}={getattr(self, key)!r}: {msg}")
@@ -130,8 +182,7 @@ class GRPOConfig:
             bad("lr", "lr and base_lr must be > 0")
         if self.dtype not in ("auto", "bf16", "fp32"):
             bad("dtype", "choose auto, bf16 or fp32")
-        if self.loss_type not in LOSS_TYPES:
-            bad("loss_type", f"choose one of {LOSS_TYPES}")
+        self._validate_loss(bad)
         if not set(self.task_levels) <= {1, 2, 3} or not self.task_levels:
             bad("task_levels", "pick a non-empty subset of [1, 2, 3]")
         if not all(isinstance(w, int | float) and not isinstance(w, bool) and math.isfinite(w)
@@ -142,6 +193,18 @@ class GRPOConfig:
         for spec in self.rewards:
             resolve_reward(spec)  # an unknown name fails here, before anything is built
         check_data_spec(self.data)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _parses_as_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def load_grpo_config(path: str | Path | None = None, overrides: list[str] | dict | None = None) -> GRPOConfig:

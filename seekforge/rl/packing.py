@@ -103,9 +103,10 @@ def empty_row() -> PackedRow:
                      sequence_of_token=nothing, sequences=[])
 
 
-def row_log_probs(model, row: PackedRow) -> tuple[torch.Tensor, torch.Tensor]:
-    """→ (log p of each scored token, its entropy), both (C,) fp32. Only the scored positions go through
-    the final norm and the head: the prompt's logits are never needed."""
+def row_log_probs(model, row: PackedRow, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """→ (log p of each scored token, its entropy), both (C,) fp32, at the sampling temperature
+    (algorithm.token_log_probs). Only the scored positions go through the final norm and the head: the
+    prompt's logits are never needed."""
     device = model.embed_tokens.weight.device
     h, _, _ = model.hidden(row.input_ids.to(device), row.positions.to(device), row.segment_ids.to(device))
     index = row.score_index.to(device)
@@ -113,4 +114,4 @@ def row_log_probs(model, row: PackedRow) -> tuple[torch.Tensor, torch.Tensor]:
     if uses_onednn(device, matmul_dtype(model.lm_head.weight)):  # the head's rows: a size oneDNN has built for
         index = torch.cat([index, index.new_zeros(onednn_size(scored) - scored)])
     logits = model.lm_head(model.norm(h[0, index]))[:scored]  # (C, V)
-    return token_log_probs(logits, row.targets.to(device))
+    return token_log_probs(logits, row.targets.to(device), temperature=temperature)

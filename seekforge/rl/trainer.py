@@ -6,8 +6,8 @@ One iteration (`step`):
      the engine then sleeps (KV pool freed) for the training phase;
   2. score (rl/score.py): rewards, then advantages over each prompt's group;
   3. update (rl/update.py): this rank's sequences packed into rows; old log-probs (when μ > 1) and
-     reference log-probs (when β > 0) on those rows; μ optimizer steps over the whole batch, each the
-     sum of the rows' gradients;
+     reference log-probs (when β > 0) on those rows, all at the sampling temperature; μ optimizer steps
+     over the whole batch, each the sum of the rows' gradients;
   4. the engine's weights take the update (rl/replica.py) and its prefix cache is dropped.
 Under torchrun each rank runs this with its own engine; the policy is FSDP-sharded over the ranks
 (`fsdp`, the default) or replicated (rl/collectives.py). Training state lives in train/'s checkpoint
@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from seekforge.model.precision import resolve_dtype
 from seekforge.probe.training import TrainingProbe
-from seekforge.rl.algorithm import BatchTotals
+from seekforge.rl.algorithm import LossSettings, sequence_weights, token_share
 from seekforge.rl.collectives import distributed, is_main, shard_policy, sum_gradients_over_ranks, sum_over_ranks
 from seekforge.rl.config import GRPOConfig
 from seekforge.rl.data import prompt_dataset
@@ -36,7 +36,14 @@ from seekforge.rl.replica import EngineWeights
 from seekforge.rl.rewards import RewardSet
 from seekforge.rl.rollout import Rollout, encode_prompt, engine_config, offload, rollout_seeds, sample_groups
 from seekforge.rl.score import ScoredBatch, score_groups
-from seekforge.rl.update import LossSettings, TrainingBatch, accumulate_gradients, pack_my_sequences, sequence_log_probs
+from seekforge.rl.update import (
+    TrainingBatch,
+    accumulate_gradients,
+    entropy_masks,
+    in_loss,
+    pack_my_sequences,
+    sequence_log_probs,
+)
 from seekforge.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from seekforge.train.master import MasterWeights, can_use_master_weights
 from seekforge.train.metrics import MetricsLogger
@@ -73,7 +80,9 @@ class GRPOTrainer:
         self.rewards = RewardSet(list(cfg.rewards), list(cfg.reward_weights))
         # the prompts (rl/data.py): the built-in task or the user's JSONL file
         self.prompt_stream = prompt_dataset(cfg.data, cfg.seed, cfg.eval_prompts, cfg.task_levels, cfg.rewards)
-        self.loss_settings = LossSettings(cfg.loss_type, cfg.clip_low, cfg.clip_high, cfg.beta)
+        self.loss_settings = LossSettings(cfg.loss_type, cfg.clip_low, cfg.clip_high, cfg.beta, cfg.temperature,
+                                          cfg.use_bias_correction_kl, cfg.importance_sampling_level, cfg.delta,
+                                          cfg.sapo_temperature_pos, cfg.sapo_temperature_neg)
         self.rollout = Rollout(self.engine_model, tokenizer, engine_config(cfg))
         self.moe_layers = policy.moe_layers()
         self.step_count = 0
@@ -140,11 +149,11 @@ class GRPOTrainer:
         scored = score_groups(self.rewards, self.tokenizer, samples, mine, local, cfg.group_size, cfg.scale_rewards)
         seqs, rows = pack_my_sequences(prompt_ids, scored.completions, cfg.group_size, cfg.max_pack_tokens,
                                        cfg.max_pack_count, self.compute_dtype, self.device, self.sharded)
-        batch = self._training_batch(scored, seqs, rows)
+        scored_mask = in_loss(scored.completions, self.stop_ids, cfg.mask_truncated_completions)
+        batch = self._training_batch(scored, scored_mask, seqs, rows)
         lengths = [len(c) for c in scored.completions]
-        totals = BatchTotals(len(lengths), sum(lengths), cfg.max_new_tokens)
         self.probe.mark("rewards")  # rewards, advantages, packing, old and reference log-probs
-        sums, grad_norm = self._update(rows, batch, totals)
+        sums, grad_norm = self._update(rows, batch, seqs, scored_mask)
         self._weights_updated()
         train_time = time.perf_counter() - start
         self.step_count += 1
@@ -163,27 +172,44 @@ class GRPOTrainer:
         self.probe.end_step(self.step_count, metrics)
         return metrics
 
-    def _training_batch(self, scored: ScoredBatch, seqs: list[int], rows) -> TrainingBatch:
-        """This rank's sequences with their advantages, and their log-probs under the policy before the
-        update (μ > 1: the ratio's denominator) and under the reference (β > 0)."""
+    @property
+    def stop_ids(self) -> set[int]:
+        """The tokens a finished completion ends on (mask_truncated_completions: the others were cut)."""
+        ends = (self.tokenizer.eos_token_id, getattr(self.tokenizer, "pad_token_id", None))
+        return {t for t in ends if t is not None}
+
+    def _training_batch(self, scored: ScoredBatch, scored_mask: torch.Tensor, seqs: list[int], rows) -> TrainingBatch:
+        """This rank's sequences with their advantages and loss weights (from the whole batch), and their
+        log-probs under the policy before the update (μ > 1: the ratio's denominator) and under the
+        reference (β > 0), at the sampling temperature."""
+        cfg = self.cfg
+        lengths = torch.tensor([len(c) for c in scored.completions])
+        weights = sequence_weights(cfg.loss_type, lengths, cfg.max_new_tokens, scored_mask, cfg.micro_batch_size)
         with self._autocast():
-            old = sequence_log_probs(self.policy, rows, len(seqs)) if self.cfg.mu > 1 else None
+            old = sequence_log_probs(self.policy, rows, len(seqs), cfg.temperature)[0] if cfg.mu > 1 else None
         ref = None
-        if self.cfg.beta > 0:
+        if cfg.beta > 0:
             self._unpark(self.reference)
             with self._autocast():
-                ref = sequence_log_probs(self.reference, rows, len(seqs))
+                ref = sequence_log_probs(self.reference, rows, len(seqs), cfg.temperature)[0]
             self._park(self.reference)
-        return TrainingBatch([len(scored.completions[i]) for i in seqs], scored.advantages[seqs], old, ref)
+        return TrainingBatch(lengths[seqs].tolist(), scored.advantages[seqs], old, ref, weights[seqs],
+                             token_share(lengths, scored_mask)[seqs])
 
-    def _update(self, rows, batch: TrainingBatch, totals: BatchTotals) -> tuple[dict[str, float], torch.Tensor]:
-        """μ optimizer steps on the batch → (the last pass's weighted sums on this rank, its gradient norm)."""
+    def _update(self, rows, batch: TrainingBatch, seqs: list[int], scored_mask: torch.Tensor,
+                ) -> tuple[dict[str, float], torch.Tensor]:
+        """μ optimizer steps on the batch → (the last pass's weighted sums on this rank, its gradient norm).
+        top_entropy_quantile < 1 costs a forward without a graph per optimizer step (update.entropy_masks)."""
         cfg = self.cfg
         self._unpark(self.optimizer)
         self.policy.train()
         for update in range(cfg.mu):
             with self._autocast():
-                sums = accumulate_gradients(self.policy, rows, batch, totals, self.loss_settings, self._compute_weights)
+                masks = None
+                if cfg.top_entropy_quantile < 1:
+                    masks = entropy_masks(self.policy, rows, seqs, scored_mask, cfg.micro_batch_size,
+                                          cfg.top_entropy_quantile, cfg.temperature)
+                sums = accumulate_gradients(self.policy, rows, batch, self.loss_settings, self._compute_weights, masks)
             if not self.sharded:  # under FSDP the reduce-scatter already summed them
                 sum_gradients_over_ranks(self.policy)
             grad_norm = clip_grad_norm(list(self.policy.parameters()), cfg.clip_grad or math.inf)

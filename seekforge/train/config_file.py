@@ -55,12 +55,14 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
 
 
 def config_from_dict(cls: type, raw: dict[str, Any]):
-    """A mapping of `cls`'s fields → the config (its own __post_init__ checks the values' ranges)."""
+    """A mapping of `cls`'s fields → the config (its own __post_init__ checks the values' ranges). A field whose
+    metadata has `also_bool` takes true / false besides its default's type (GRPOConfig.scale_rewards)."""
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(raw) - set(fields))
     if unknown:
         raise ValueError(f"unknown {cls.__name__} key(s) {unknown}; valid keys: {sorted(fields)}")
-    return cls(**{key: _coerce(f"{cls.__name__}.{key}", _default(fields[key]), value) for key, value in raw.items()})
+    return cls(**{key: value if isinstance(value, bool) and fields[key].metadata.get("also_bool")
+                  else _coerce(f"{cls.__name__}.{key}", _default(fields[key]), value) for key, value in raw.items()})
 
 
 def command_line(args, fields: list[str]) -> tuple[str | None, dict[str, Any], dict[str, Any]]:

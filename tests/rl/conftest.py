@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from seekforge.config import preset
 from seekforge.model.model import build_model
-from seekforge.rl.algorithm import group_advantages
+from seekforge.rl.algorithm import group_advantages, sequence_weights, token_share
 from seekforge.rl.update import TrainingBatch
 
 
@@ -33,8 +35,14 @@ def synthetic_rollout(num_prompts: int = 4, group_size: int = 4, seed: int = 0, 
         return [-torch.rand(n, generator=gen) * 4 for n in lengths]
 
     batch = TrainingBatch(lengths, group_advantages(rewards, group_size), noise() if with_old else None,
-                          noise() if with_ref else None)
-    return prompts, completions, batch
+                          noise() if with_ref else None, torch.zeros(len(lengths)), token_share(torch.tensor(lengths)))
+    return prompts, completions, weighted(batch, "grpo")
+
+
+def weighted(batch: TrainingBatch, loss_type: str) -> TrainingBatch:
+    """`batch` with `loss_type`'s loss weights (Dr. GRPO's constant: the longest completion)."""
+    lengths = torch.tensor(batch.completion_lengths)
+    return dataclasses.replace(batch, weights=sequence_weights(loss_type, lengths, int(lengths.max())))
 
 
 @pytest.fixture

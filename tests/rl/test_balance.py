@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from seekforge.rl.balance import balance_groups, imbalance
 from tests.dist.dist_launcher import launch
-from tests.rl.conftest import synthetic_rollout, tiny_model
+from tests.rl.conftest import synthetic_rollout, tiny_model, weighted
 
 
 def test_balance_groups_even_and_better_than_contiguous():
@@ -30,19 +30,19 @@ def test_balance_groups_even_and_better_than_contiguous():
 def _rank_gradient(num_prompts: int, group_size: int):
     """On each rank: the balanced share of the rollout's groups, trained with the global totals."""
     from seekforge.rl.packing import pack_sequences
-    from seekforge.rl.update import LossSettings, TrainingBatch, accumulate_gradients
-    from tests.rl.test_packing import grads, totals_of
+    from seekforge.rl.update import LossSettings, accumulate_gradients
+    from tests.rl.test_packing import grads
 
     prompts, completions, batch = synthetic_rollout(num_prompts, group_size)
+    batch = weighted(batch, "dapo")
     group_tokens = [sum(len(prompts[i]) + len(completions[i]) for i in range(g * group_size, (g + 1) * group_size))
                     for g in range(num_prompts)]
     mine = [i for g in balance_groups(group_tokens, dist.get_world_size())[dist.get_rank()]
             for i in range(g * group_size, (g + 1) * group_size)]
-    local = TrainingBatch([batch.completion_lengths[i] for i in mine], batch.advantages[mine],
-                          [batch.old_logps[i] for i in mine], [batch.ref_logps[i] for i in mine])
+    local = batch.subset(mine)
     model = tiny_model()
     rows = pack_sequences([prompts[i] for i in mine], [completions[i] for i in mine], 64, 8)
-    accumulate_gradients(model, rows, local, totals_of(completions), LossSettings("dapo", beta=0.05))
+    accumulate_gradients(model, rows, local, LossSettings("dapo", beta=0.05))
     grad = grads(model)
     dist.all_reduce(grad)
     return grad
@@ -51,11 +51,11 @@ def _rank_gradient(num_prompts: int, group_size: int):
 def test_gradient_over_two_gloo_ranks_equals_one_process():
     from seekforge.rl.packing import pack_sequences
     from seekforge.rl.update import LossSettings, accumulate_gradients
-    from tests.rl.test_packing import grads, totals_of
+    from tests.rl.test_packing import grads
 
     prompts, completions, batch = synthetic_rollout(4, 4)
     model = tiny_model()
-    accumulate_gradients(model, pack_sequences(prompts, completions, 64, 8), batch, totals_of(completions),
+    accumulate_gradients(model, pack_sequences(prompts, completions, 64, 8), weighted(batch, "dapo"),
                          LossSettings("dapo", beta=0.05))
     single = grads(model)
     for grad in launch(_rank_gradient, 2, 4, 4):

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from seekforge.rl.algorithm import BatchTotals, policy_loss, token_log_probs, token_weights
+from seekforge.rl.algorithm import policy_loss, token_log_probs
 from seekforge.rl.packing import pack_bins, pack_sequences, pad_row, row_log_probs
 from seekforge.rl.update import LossSettings, accumulate_gradients
-from tests.rl.conftest import tiny_model
+from tests.rl.conftest import tiny_model, weighted
 
 SETTINGS = LossSettings(loss_type="grpo", clip_low=0.2, clip_high=0.28, beta=0.05)
 
@@ -30,7 +30,7 @@ def grads(model):
     return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
 
 
-def unpacked_loss_and_grad(prompts, completions, batch, totals):
+def unpacked_loss_and_grad(prompts, completions, batch):
     """The simple path: every sequence alone through model.forward, log-softmax over all logits."""
     model = tiny_model()
     logps = []
@@ -39,23 +39,17 @@ def unpacked_loss_and_grad(prompts, completions, batch, totals):
         logits = model(ids)[0, len(prompt) - 1:-1]  # positions predicting the completion
         logp, _ = token_log_probs(logits, torch.tensor(completion))
         logps.append(logp)
-        lengths = torch.full((len(completion),), len(completion))
-        loss, _ = policy_loss(logp, batch.old_logps[i], batch.advantages[i], token_weights("grpo", lengths, totals),
-                              SETTINGS.clip_low, SETTINGS.clip_high, SETTINGS.beta, batch.ref_logps[i])
+        loss, _ = policy_loss(logp, batch.old_logps[i], batch.advantages[i], batch.weights[i], SETTINGS,
+                              batch.ref_logps[i])
         loss.backward()
     return logps, grads(model)
-
-
-def totals_of(completions):
-    return BatchTotals(len(completions), sum(map(len, completions)), max(map(len, completions)))
 
 
 @pytest.mark.parametrize("padded", [False, True])
 def test_packed_log_probs_loss_and_gradients_equal_unpacked(rollout, padded):
     """padded: each row with a padding document appended (pad_row, what bf16 on a CPU rounds rows up with)."""
     prompts, completions, batch = rollout
-    totals = totals_of(completions)
-    ref_logps, ref_grad = unpacked_loss_and_grad(prompts, completions, batch, totals)
+    ref_logps, ref_grad = unpacked_loss_and_grad(prompts, completions, batch)
     model = tiny_model()
     rows = pack_sequences(prompts, completions, max_pack_tokens=64, max_pack_count=8)
     assert len(rows) < len(completions)
@@ -64,7 +58,7 @@ def test_packed_log_probs_loss_and_gradients_equal_unpacked(rollout, padded):
     for row in rows:
         logp, _ = row_log_probs(model, row)
         torch.testing.assert_close(logp, torch.cat([ref_logps[i] for i in row.sequences]), rtol=0, atol=1e-5)
-    accumulate_gradients(model, rows, batch, totals, SETTINGS)
+    accumulate_gradients(model, rows, batch, SETTINGS)
     torch.testing.assert_close(grads(model), ref_grad, rtol=0, atol=1e-5)
 
 
@@ -73,13 +67,14 @@ def test_gradient_is_split_invariant(rollout, loss_type):
     """1, 2 and 4 micro-batches (rows of at most N, N/2, N/4 sequences) give one gradient."""
     prompts, completions, batch = rollout
     settings = LossSettings(loss_type=loss_type, beta=0.05)
+    batch = weighted(batch, loss_type)
     n = len(completions)
     result = {}
     for parts in (1, 2, 4):
         model = tiny_model()
         rows = pack_sequences(prompts, completions, max_pack_tokens=10_000, max_pack_count=n // parts)
         assert len(rows) == parts
-        accumulate_gradients(model, rows, batch, totals_of(completions), settings)
+        accumulate_gradients(model, rows, batch, settings)
         result[parts] = grads(model)
     for parts in (2, 4):
         diff = (result[parts] - result[1]).norm() / result[1].norm()
@@ -101,7 +96,7 @@ def test_bf16_rows_in_onednn_sizes_match(rollout):
             rows = [pad_row(row, onednn_size(row.input_ids.shape[1]) + 7) for row in rows]
         with torch.autocast("cpu", dtype=torch.bfloat16):
             logps = [row_log_probs(model, row)[0] for row in rows]
-            accumulate_gradients(model, rows, batch, totals_of(completions), SETTINGS)
+            accumulate_gradients(model, rows, batch, SETTINGS)
         results.append((torch.cat(logps), grads(model)))
     (logp, grad), (padded_logp, padded_grad) = results
     torch.testing.assert_close(padded_logp, logp, rtol=0, atol=2e-2)

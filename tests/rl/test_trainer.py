@@ -98,15 +98,15 @@ def test_bf16_training_pass_equals_autocast_and_shares_the_engine_replica(tmp_pa
     assert trainer.master_weights.params and all(c.data_ptr() in replica for c in trainer.master_weights.compute_copies)
     trainer.step()
     assert len(calls) == 2
-    model, rows, batch, totals, settings, compute_weights = calls[-1]  # the second update's pass
+    model, rows, batch, settings, compute_weights, masks = calls[-1]  # the second update's pass
     grads = []
     for weights in (compute_weights, None):
         model.zero_grad(set_to_none=True)
         with trainer._autocast():
             if weights is None:
-                accumulate(model, rows, batch, totals, settings)
+                accumulate(model, rows, batch, settings)
             else:
-                accumulate(model, rows, batch, totals, settings, weights)
+                accumulate(model, rows, batch, settings, weights)
         grads.append([p.grad.clone() for p in model.parameters() if p.requires_grad])
     for a, b in zip(*grads, strict=True):
         assert a.dtype == torch.float32 and torch.equal(a, b)
@@ -131,17 +131,33 @@ def test_resume_continues_the_uninterrupted_run(tmp_path):
 def test_bad_config_fails_with_one_message():
     for overrides, match in [(dict(group_size=1), "group_size=1"), (dict(clip_low=-0.1), "clip_low=-0.1"),
                              (dict(rewards=["nope"]), "unknown reward 'nope'"),
-                             (dict(loss_type="ppo"), "loss_type='ppo'")]:
+                             (dict(loss_type="ppo"), "loss_type='ppo'"),
+                             (dict(scale_rewards="global"), "scale_rewards='global'"),
+                             (dict(loss_type="cispo"), "clip_high=0.28: cispo caps the ratio itself"),
+                             (dict(delta=0.9), "delta=0.9"), (dict(importance_sampling_level="seq"), "'seq'"),
+                             (dict(top_entropy_quantile=1.5), "top_entropy_quantile=1.5"),
+                             (dict(micro_batch_size=5, prompts_per_step=2, group_size=4), "must divide the step's 8")]:
         with pytest.raises(ValueError, match=match):
             GRPOConfig(**overrides)
 
 
-def _two_rank_run(out_dir: str, fsdp: bool):
+def test_scale_rewards_takes_trl_bools():
+    """TRL's scale_rewards takes true / false as well as its names; so do this field's files and flags."""
+    from seekforge.rl.config import load_grpo_config
+
+    assert [GRPOConfig(scale_rewards=v).scale_rewards for v in (True, False, "batch")] == ["group", "none", "batch"]
+    assert load_grpo_config(None, ["scale_rewards=false"]).scale_rewards == "none"
+    with pytest.raises(ValueError, match="GRPOConfig.temperature='hot': expected a number"):
+        load_grpo_config(None, ["temperature=hot"])
+
+
+def _two_rank_run(out_dir: str, fsdp: bool, options: dict):
     import torch.distributed as dist
 
     from seekforge.model.dtensor import plain_tensor
 
-    cfg = small_config(None, out_dir=out_dir, steps=2, eval_interval=1, save_interval=2, beta=0.05, fsdp=fsdp)
+    cfg = small_config(None, out_dir=out_dir, steps=2, eval_interval=1, save_interval=2, beta=0.05, fsdp=fsdp,
+                       **options)
     trainer = make_trainer(cfg)
     history = trainer.fit(progress=False)
     weights = {k: plain_tensor(v).clone() for k, v in trainer.policy.state_dict().items()}
@@ -149,18 +165,25 @@ def _two_rank_run(out_dir: str, fsdp: bool):
     return history, weights if dist.get_rank() == 0 else None, engine
 
 
+# micro-batches that span both ranks' groups (bnpo's normalization, the high-entropy threshold), truncated
+# completions masked out, one ratio per sequence, the sampling temperature in the log-probs
+LOSS_OPTIONS = dict(loss_type="bnpo", micro_batch_size=6, top_entropy_quantile=0.5, mask_truncated_completions=True,
+                    importance_sampling_level="sequence", temperature=0.8, mu=2)
+
+
 @pytest.mark.slow  # ~20 s each: two spawned ranks, two full iterations each
-@pytest.mark.parametrize("fsdp", [True, False])
-def test_two_gloo_ranks_match_one_process(tmp_path, fsdp):
+@pytest.mark.parametrize("fsdp, options", [(True, {}), (False, {}), (True, LOSS_OPTIONS)],
+                         ids=["fsdp", "replicated", "fsdp-loss-options"])
+def test_two_gloo_ranks_match_one_process(tmp_path, fsdp, options):
     """Each rank rolls out its balanced share of the prompts on its own engine; groups, rewards and
     advantages are whole; the summed gradients reproduce the one-process run, with the policy and its
     optimizer state FSDP-sharded (the engines' replicas refreshed from the shards) or replicated."""
     from tests.dist.dist_launcher import launch
 
     single = make_trainer(small_config(None, out_dir=str(tmp_path / "one"), steps=2, eval_interval=1,
-                                       save_interval=0, beta=0.05))
+                                       save_interval=0, beta=0.05, **options))
     expected = single.fit(progress=False)
-    results = launch(_two_rank_run, 2, str(tmp_path / "two"), fsdp)
+    results = launch(_two_rank_run, 2, str(tmp_path / "two"), fsdp, options)
     history, weights, _ = results[0]
     for a, b in zip(expected, history, strict=True):
         for key in ("reward_mean", "reward_std", "response_length", "eval_accuracy", "zero_std_groups"):
