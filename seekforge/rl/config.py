@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from seekforge.config import OptimizerConfig
+from seekforge.parallel.recompute import MODES as RECOMPUTE_MODES
 from seekforge.rl.algorithm import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SCALE_REWARDS, scale_rewards_mode
 from seekforge.rl.data import check_data_spec
 from seekforge.rl.rewards import resolve_reward
@@ -89,6 +90,9 @@ class GRPOConfig:
     dtype: str = "auto"
     kv_cache_memory: str = "64MiB"
     compile: bool = False  # rollouts' decode steps as compiled programs (serve/compiled.py; compiled when built)
+    # activation recompute of the policy's blocks in training (parallel/recompute.py: none | selective | full), as
+    # TRL's gradient_checkpointing: less memory for the training pass, the same gradients
+    recompute: str = "none"
     eval_prompts: int = 500  # held-out prompts, greedy; 0 disables (500: ±2 points of binomial noise at 30%)
     eval_interval: int = 25
     seed: int = 0
@@ -182,6 +186,8 @@ class GRPOConfig:
             bad("lr", "lr and base_lr must be > 0")
         if self.dtype not in ("auto", "bf16", "fp32"):
             bad("dtype", "choose auto, bf16 or fp32")
+        if self.recompute not in RECOMPUTE_MODES:
+            bad("recompute", f"choose one of {', '.join(RECOMPUTE_MODES)}")
         self._validate_loss(bad)
         if not set(self.task_levels) <= {1, 2, 3} or not self.task_levels:
             bad("task_levels", "pick a non-empty subset of [1, 2, 3]")

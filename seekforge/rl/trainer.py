@@ -26,6 +26,7 @@ import torch
 from tqdm import tqdm
 
 from seekforge.model.precision import resolve_dtype
+from seekforge.parallel.recompute import apply_recompute
 from seekforge.probe.training import TrainingProbe
 from seekforge.rl.algorithm import LossSettings, sequence_weights, token_share
 from seekforge.rl.collectives import distributed, is_main, shard_policy, sum_gradients_over_ranks, sum_over_ranks
@@ -66,6 +67,8 @@ class GRPOTrainer:
         # computes in it (bf16: bf16 copies of the fp32 master weights, below) and the engine generates in it.
         self.compute_dtype, self.dtype_reason = resolve_dtype(cfg.dtype, self.device, policy.cfg.hidden_size)
         self.sharded = distributed() and cfg.fsdp
+        if cfg.recompute != "none":  # before the engine's replica is copied: its parameter names stay the policy's
+            apply_recompute(policy, cfg.recompute)
         self.engine_weights = EngineWeights(policy, self.compute_dtype, self.sharded)
         self.engine_model = self.engine_weights.model
         if self.sharded:

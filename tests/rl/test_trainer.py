@@ -228,3 +228,18 @@ def test_optimizer_config_warms_up_then_holds_the_lr():
         optimizer.step()
         scheduler.step()
     assert lrs == pytest.approx([5e-4, 1e-3, 1e-3, 1e-3, 1e-3, 1e-3], rel=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_recompute_changes_memory_not_the_run(tmp_path, mode):
+    """GRPOConfig.recompute (TRL's gradient_checkpointing): the same rollouts, losses and updated weights as without,
+    the engine still generating from the updated policy."""
+    runs = {}
+    for recompute in ("none", mode):
+        trainer = make_trainer(small_config(tmp_path / recompute, steps=2, mu=2, eval_prompts=0, recompute=recompute))
+        runs[recompute] = (trainer.fit(progress=False), trainer.policy.state_dict())
+    keys = ["reward_mean", "loss", "clip_fraction", "response_length", "grad_norm"]
+    assert [{k: m[k] for k in keys} for m in runs[mode][0]] == [{k: m[k] for k in keys} for m in runs["none"][0]]
+    assert runs[mode][1].keys() == runs["none"][1].keys()  # checkpoints keep the plain names
+    for name, value in runs["none"][1].items():
+        torch.testing.assert_close(runs[mode][1][name], value, rtol=0, atol=0)
