@@ -19,13 +19,19 @@ the peak RSS of each child is its own. seekforge's rollouts run compiled decode 
 serve/compiled.py), compiled while its trainer is built (printed; `--eager` turns them off). seekforge also
 runs with the memory swap off (KV pool kept through training), to show what the swap saves.
 
+Like for like in recompute: two settings, each on both sides — `off` (TRL's gradient_checkpointing=False, seekforge
+recompute="none") and `on` (TRL's gradient_checkpointing=True, its GRPOConfig default; seekforge recompute="full").
+Each setting prints its own ratio, and the load average beside every figure (the cores are shared).
+
     PYTHONPATH=. python benchmarks/grpo_step.py [--preset small] [--threads N] [--dtype auto|bf16|fp32] [--eager]
+        [--recompute off,on]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -90,7 +96,7 @@ def prompts_and_answers():
     return [(s.prompt, s.meta["answer"]) for s in stream.prompts(0, PROMPTS) + stream.prompts(1, PROMPTS)]
 
 
-def run_seekforge(workdir: Path, swap: bool, dtype: str, compile: bool) -> dict:
+def run_seekforge(workdir: Path, swap: bool, dtype: str, compile: bool, recompute: bool) -> dict:
     from seekforge.model.load import load_model
     from seekforge.rl.config import GRPOConfig
     from seekforge.rl.trainer import GRPOTrainer
@@ -99,7 +105,7 @@ def run_seekforge(workdir: Path, swap: bool, dtype: str, compile: bool) -> dict:
     cfg = GRPOConfig(base=str(workdir), task_levels=[1, 2, 3], prompts_per_step=PROMPTS, group_size=G,
                      max_new_tokens=MAX_NEW, temperature=1.0, loss_type="dapo", beta=0.0, lr=1e-6, swap=swap,
                      kv_cache_memory="512MiB", eval_prompts=0, dtype=dtype, compile=compile,
-                     out_dir=str(workdir / "sf_run"))
+                     recompute="full" if recompute else "none", out_dir=str(workdir / "sf_run"))
     start = time.perf_counter()
     trainer = GRPOTrainer(cfg, policy, tokenizer)
     build = time.perf_counter() - start
@@ -111,7 +117,7 @@ def run_seekforge(workdir: Path, swap: bool, dtype: str, compile: bool) -> dict:
             "rollout_s": metrics["rollout_time_s"], "train_s": metrics["train_time_s"], "build_s": build}
 
 
-def run_trl(workdir: Path, dtype: str) -> dict:
+def run_trl(workdir: Path, dtype: str, recompute: bool) -> dict:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -141,7 +147,8 @@ def run_trl(workdir: Path, dtype: str) -> dict:
                       max_completion_length=MAX_NEW, max_steps=2, shuffle_dataset=False, learning_rate=1e-6,
                       beta=0.0, loss_type="dapo",
                       epsilon_high=0.28, temperature=1.0, use_cpu=True, bf16=dtype == "bf16", report_to="none",
-                      save_strategy="no", logging_steps=1, disable_tqdm=True, seed=0)
+                      save_strategy="no", logging_steps=1, disable_tqdm=True, seed=0,
+                      gradient_checkpointing=recompute)
     trainer = GRPOTrainer(model=model, reward_funcs=exact_answer, args=args, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[timer])
     trainer.train()
@@ -150,11 +157,15 @@ def run_trl(workdir: Path, dtype: str) -> dict:
     return {"seconds": timer.durations[-1], "completion_tokens": tokens}
 
 
-def child(which: str, workdir: Path, threads: int | None, dtype: str, compile: bool) -> None:
+def child(which: str, workdir: Path, threads: int | None, dtype: str, compile: bool, recompute: bool) -> None:
     if threads:
         torch.set_num_threads(threads)
-    result = run_trl(workdir, dtype) if which == "trl" else run_seekforge(workdir, which == "seekforge", dtype, compile)
+    if which == "trl":
+        result = run_trl(workdir, dtype, recompute)
+    else:
+        result = run_seekforge(workdir, which == "seekforge", dtype, compile, recompute)
     result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    result["load"] = os.getloadavg()[0]
     print("RESULT " + json.dumps(result), flush=True)
 
 
@@ -166,11 +177,14 @@ def main():
     parser.add_argument("--eager", action="store_true",
                         help="seekforge's rollouts without compiled decode steps (GRPOConfig.compile, on by default "
                              "here: compiled while the trainer is built, which is not timed)")
+    parser.add_argument("--recompute", default="off,on",
+                        help="recompute settings to run, each on both sides: off (TRL gradient_checkpointing=False, "
+                             "seekforge recompute=none), on (True / full)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        return child(args.child, Path(args.workdir), args.threads, args.dtype, not args.eager)
+        return child(args.child, Path(args.workdir), args.threads, args.dtype, not args.eager, args.recompute == "on")
     if args.threads:
         torch.set_num_threads(args.threads)
     from seekforge.config import preset
@@ -183,31 +197,45 @@ def main():
     trl_dtypes = sorted({name, "fp32"})
     print(f"preset {args.preset} (no MTP), {PROMPTS} prompts x G={G}, up to {MAX_NEW} new tokens, one optimizer "
           f"step; seekforge in {name}; TRL in {' and in '.join(trl_dtypes)}")
+    summary = []
     with tempfile.TemporaryDirectory() as tmp:
-        workdir = Path(tmp)
-        prepare(workdir, args.preset)
-        results = {}
-        runs = [("seekforge", args.dtype), ("seekforge-noswap", args.dtype), *(("trl", d) for d in trl_dtypes)]
-        for which, dtype in runs:
-            cmd = [sys.executable, __file__, "--child", which, "--workdir", tmp, "--dtype", dtype]
-            if args.threads:
-                cmd += ["--threads", str(args.threads)]
-            if args.eager:
-                cmd.append("--eager")
-            out = subprocess.run(cmd, capture_output=True, text=True)
-            lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-            if out.returncode or not lines:
-                sys.exit(f"{which} failed:\n{out.stderr[-3000:]}")
-            label = f"trl ({dtype})" if which == "trl" else which
-            r = results[label] = json.loads(lines[-1].removeprefix("RESULT "))
-            extra = (f" (rollout {r['rollout_s']:.1f}s, training {r['train_s']:.1f}s; trainer built in "
-                     f"{r['build_s']:.0f}s)") if "rollout_s" in r else ""
-            print(f"{label:>17}: {r['seconds']:.1f}s{extra}, {r['completion_tokens']:.0f} completion tokens, "
-                  f"peak RSS {r['peak_rss_mib']:.0f} MiB")
+        prepare(Path(tmp), args.preset)
+        for setting in args.recompute.split(","):
+            summary.append(compare(tmp, args, trl_dtypes, setting))
+    for line in summary:
+        print(line)
+
+
+def compare(tmp: str, args, trl_dtypes: list[str], setting: str) -> str:
+    """Every contender with recompute `setting` (off | on) → the setting's summary line."""
+    if setting not in ("off", "on"):
+        sys.exit(f"--recompute takes off and on, not {setting!r}")
+    print(f"-- recompute {setting}: TRL gradient_checkpointing={setting == 'on'}, seekforge recompute="
+          f"{'full' if setting == 'on' else 'none'}")
+    results = {}
+    runs = [("seekforge", args.dtype), ("seekforge-noswap", args.dtype), *(("trl", d) for d in trl_dtypes)]
+    for which, dtype in runs:
+        cmd = [sys.executable, __file__, "--child", which, "--workdir", tmp, "--dtype", dtype, "--recompute", setting]
+        if args.threads:
+            cmd += ["--threads", str(args.threads)]
+        if args.eager:
+            cmd.append("--eager")
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+        if out.returncode or not lines:
+            sys.exit(f"{which} failed:\n{out.stderr[-3000:]}")
+        label = f"trl ({dtype})" if which == "trl" else which
+        r = results[label] = json.loads(lines[-1].removeprefix("RESULT "))
+        extra = (f" (rollout {r['rollout_s']:.1f}s, training {r['train_s']:.1f}s; trainer built in "
+                 f"{r['build_s']:.0f}s)") if "rollout_s" in r else ""
+        print(f"{label:>17}: {r['seconds']:.1f}s{extra}, {r['completion_tokens']:.0f} completion tokens, "
+              f"peak RSS {r['peak_rss_mib']:.0f} MiB, load average {r['load']:.1f}", flush=True)
     sf = results["seekforge"]
     trl_label, trl = min(((k, v) for k, v in results.items() if k.startswith("trl")), key=lambda kv: kv[1]["seconds"])
-    print(f"speed-up vs TRL GRPOTrainer (its faster run, {trl_label}): {trl['seconds'] / sf['seconds']:.2f}x; "
-          f"memory swap saves {results['seekforge-noswap']['peak_rss_mib'] - sf['peak_rss_mib']:.0f} MiB of peak RSS")
+    return (f"recompute {setting}: speed-up vs TRL GRPOTrainer (its faster run, {trl_label}): "
+            f"{trl['seconds'] / sf['seconds']:.2f}x ({sf['seconds']:.1f}s at load {sf['load']:.1f} vs "
+            f"{trl['seconds']:.1f}s at load {trl['load']:.1f}); memory swap saves "
+            f"{results['seekforge-noswap']['peak_rss_mib'] - sf['peak_rss_mib']:.0f} MiB of peak RSS")
 
 
 if __name__ == "__main__":
