@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import sys
 
 import pytest
 
@@ -203,12 +204,14 @@ def test_unknown_reward_is_one_clear_error(spec, match):
 
 
 def test_rewards_from_a_file_and_from_the_current_directory(tmp_path, monkeypatch):
-    (tmp_path / "my_rewards.py").write_text("def shout(prompt, completion, **columns):\n    return 2.0\n")
+    (tmp_path / "shouting_rewards.py").write_text("def shout(prompt, completion, **columns):\n    return 2.0\n")
     (tmp_path / "raises_on_import.py").write_text("raise ImportError('needs torch 9')\n")
-    assert resolve_reward(f"{tmp_path}/my_rewards.py:shout")("p", "c") == 2.0
+    assert resolve_reward(f"{tmp_path}/shouting_rewards.py:shout")("p", "c") == 2.0
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("sys.path", [p for p in __import__("sys").path if p not in ("", str(tmp_path))])
-    assert resolve_reward("my_rewards:shout")("p", "c") == 2.0  # as `python -m` would import it
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "shouting_rewards", raising=False)
+    assert resolve_reward("shouting_rewards:shout")("p", "c") == 2.0  # as `python -m` would import it
+    del sys.modules["shouting_rewards"]
     with pytest.raises(ValueError, match="importing raises_on_import raised ImportError: needs torch 9"):
         resolve_reward("raises_on_import:f")
 

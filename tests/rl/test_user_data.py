@@ -58,7 +58,8 @@ def workdir(tmp_path, monkeypatch):
     (tmp_path / "user_rewards.py").write_text(REWARDS)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", list(sys.path))  # the rewards' import adds the current directory
-    return tmp_path
+    yield tmp_path
+    sys.modules.pop("user_rewards", None)
 
 
 def grpo(out_dir: str, steps: int):
