@@ -153,3 +153,40 @@ def test_a_missing_prompt_column_is_one_line(workdir, capsys):
     with pytest.raises(SystemExit):
         main(["grpo", "--base", "base", "--data", "q.jsonl", "--out-dir", "run", "--steps", "1"])
     assert 'q.jsonl:1: "prompt" must be text or a non-empty list of' in capsys.readouterr().err
+
+
+_CALLS = [0]
+
+
+def rank_one_fails(prompts, completions, **columns):
+    """Fails on rank 1 only, in step 2: the other rank must stop too, not wait in the next collective."""
+    import torch.distributed as dist
+
+    _CALLS[0] += 1
+    if dist.get_rank() == 1 and _CALLS[0] == 2:
+        raise TimeoutError("judge timed out")
+    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
+
+
+def _failing_two_rank_run(out_dir: str):
+    from seekforge.rl.rewards import RewardError
+    from tests.rl.test_trainer import make_trainer, small_config
+
+    trainer = make_trainer(small_config(None, out_dir=out_dir, steps=3, eval_prompts=0, save_interval=0,
+                                        rewards=[f"{__name__}:rank_one_fails"]))
+    try:
+        trainer.fit(progress=False)
+    except RewardError as e:
+        return e.reward, str(e), trainer.step_count
+    return None
+
+
+@pytest.mark.slow  # ~10 s: two spawned ranks
+def test_a_reward_failing_on_one_rank_stops_every_rank_after_a_collective_save(tmp_path):
+    from tests.dist.dist_launcher import launch
+
+    results = launch(_failing_two_rank_run, 2, str(tmp_path / "run"))
+    assert results[0] == results[1] and results[0][0] == f"{__name__}:rank_one_fails" and results[0][2] == 1
+    assert "raised TimeoutError: judge timed out" in results[0][1] and "(on rank 1)" in results[0][1]
+    assert "the run's state at step 1 is saved" in results[0][1]
+    assert (tmp_path / "run/checkpoints/step_000001").is_dir()
