@@ -239,7 +239,7 @@ class _Batch:
 
 class RewardSet:
     """The run's rewards and their weights. `score` runs them all on a batch of completions → each one's
-    value per completion; `totals` makes the weighted, None-ignoring sums."""
+    value per completion (rl/score.py makes the weighted, None-ignoring sums)."""
 
     def __init__(self, specs: list[str], weights: list[float], on_error: str = "raise",
                  max_new_tokens: int | None = None):
@@ -251,7 +251,7 @@ class RewardSet:
         self.names = [r.name for r in self.rewards]
         self.weights, self.on_error, self.max_new_tokens = list(weights), on_error, max_new_tokens
         self.num_errors = 0  # failed samples since construction (on_error="zero")
-        self._seen_errors: set[str] = set()
+        self._seen_errors: set = set()
 
     def score(self, prompts: list, completions: list[str], columns: list[dict],
               completion_ids: list[list[int]] | None = None) -> tuple[list[list[float]], int]:
@@ -271,16 +271,19 @@ class RewardSet:
             message = _failure_message(reward, values[failed[0]], failed[0], n, len(failed))
             if self.on_error == "raise":
                 raise RewardError(reward.spec, message) from values[failed[0]]
-            self.warn_once(f"{message} (scored 0; further identical errors are only counted)")
+            e = values[failed[0]]  # one warning per reward and distinct error, wherever in a batch it happens
+            self.warn_once(f"{message} (scored 0; further identical errors are only counted)",
+                           (reward.spec, type(e).__name__, "" if isinstance(e, _BadOutput) else str(e)))
             errors += len(failed)
             for i in failed:
                 values[i] = 0.0
         self.num_errors += errors
         return [list(row) for row in zip(*results, strict=True)], errors
 
-    def warn_once(self, message: str) -> None:
-        if message not in self._seen_errors:
-            self._seen_errors.add(message)
+    def warn_once(self, message: str, key=None) -> None:
+        key = message if key is None else key
+        if key not in self._seen_errors:
+            self._seen_errors.add(key)
             log.warning(message)
 
     async def _values(self, reward: Reward, batch: _Batch) -> list:
