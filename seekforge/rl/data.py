@@ -105,8 +105,8 @@ def _datasets(key: str, spec: str):
     try:
         import datasets
     except ImportError:
-        raise ValueError(f"{key}={spec!r} needs the `datasets` library: pip install datasets (or give a .jsonl or "
-                         ".parquet file)") from None
+        raise ValueError(f"{key}={spec!r} needs the `datasets` library: pip install datasets (or seekforge[datasets]; "
+                         "or give a .jsonl or .parquet file)") from None
     return datasets
 
 
