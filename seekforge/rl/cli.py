@@ -3,8 +3,9 @@
 With no arguments it runs the built-in default: it pretrains its own small base model on the
 arithmetic task (a few minutes; reused when already there), then improves it with GRPO on the
 task's exact-answer reward, writing runs/grpo/{metrics.jsonl, tensorboard/, reward.png,
-checkpoints/, base/}. An existing run in --out-dir resumes from its latest checkpoint. `--base DIR --data
-FILE.jsonl` trains another model on your own prompts (rl/data.py).
+checkpoints/, base/, samples.jsonl}. An existing run in --out-dir resumes from its latest checkpoint. `--base DIR
+--data prompts.jsonl --reward mymodule:my_reward` trains another model on your own prompts and reward
+(rl/data.py, rl/rewards.py).
 
 Under torchrun (`torchrun --nproc-per-node 2 -m seekforge.cli grpo ...`) the policy and its optimizer
 state are FSDP-sharded over the ranks (`--set fsdp=false`: full replicas); every rank has its own
@@ -28,8 +29,17 @@ from seekforge.train.config_file import command_line, config_to_dict, interrupt_
 
 _FLAGS = [
     ("--base", "base", str, "HF checkpoint directory of the starting policy ('' = built-in base)"),
-    ("--data", "data", str, "prompts: builtin:arithmetic | a .jsonl file of {\"prompt\": ..., other columns} lines, "
-                            "the columns passed to the rewards (seekforge/rl/data.py)"),
+    ("--data", "data", str, "prompts: builtin:arithmetic | FILE.jsonl | FILE.parquet | DIR[:SPLIT] (datasets."
+                            "save_to_disk) | hf:NAME[:CONFIG]:SPLIT; rows with a `prompt` column (text, or chat "
+                            "messages rendered by the tokenizer's chat template), every other column passed to the "
+                            "rewards as keywords (seekforge/rl/data.py; needs --base)"),
+    ("--eval-data", "eval_data", str, "held-out prompts of their own, in any --data form ('': eval_prompts of "
+                                      "--data's rows, never trained on)"),
+    ("--eval-k", "eval_k", int, "pass@k at each evaluation: k completions per held-out prompt at the rollout "
+                                "temperature (0: greedy accuracy only)"),
+    ("--reward-errors", "reward_errors", str, "a reward that raises or returns the wrong number of values: raise "
+                                              "(stop; the run's state is saved, a rerun resumes) | zero (those "
+                                              "samples score 0, counted)"),
     ("--steps", "steps", int, "GRPO iterations (rollout + update)"),
     ("--prompts-per-step", "prompts_per_step", int, "prompts per rollout batch"),
     ("--group-size", "group_size", int, "completions per prompt (G)"),
@@ -55,9 +65,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     for flag, field, kind, text in _FLAGS:
         p.add_argument(flag, dest=field, type=kind, default=argparse.SUPPRESS,
                        help=f"{text} (default: {getattr(_DEFAULTS, field)!r})")
-    p.add_argument("--reward", dest="rewards", action="append", default=argparse.SUPPRESS, metavar="NAME",
-                   help="reward: arithmetic | format | boxed | module:function (repeat to combine; weights "
-                        "via --set reward_weights=[...]; default: arithmetic)")
+    p.add_argument("--reward", dest="rewards", action="append", default=argparse.SUPPRESS, metavar="NAME[=WEIGHT]",
+                   help="reward: arithmetic | format | boxed | length | module:function | path/to/file.py:function, "
+                        "a function (prompt, completion, **columns) -> float, or TRL's batched (prompts, completions, "
+                        "**columns) -> list[float], either may be async (seekforge/rl/rewards.py); repeat to combine, "
+                        "=WEIGHT weighs it (default 1; or --set reward_weights=[...]); default: arithmetic")
     p.add_argument("--no-resume", dest="resume", action="store_false", default=argparse.SUPPRESS,
                    help="start fresh even if OUT_DIR holds checkpoints")
     p.add_argument("--no-checkpoint-fallback", dest="checkpoint_fallback", action="store_false",
@@ -69,9 +81,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args) -> GRPOConfig:
     path, updates, overrides = command_line(args, [f[1] for f in _FLAGS] + ["rewards", "resume", "checkpoint_fallback"])
-    if "rewards" in updates and "reward_weights" not in overrides:  # --reward a --reward b: weight 1 each
-        updates["reward_weights"] = [1.0] * len(updates["rewards"])
+    if "rewards" in updates:  # --reward a=0.5 --reward b: weights 0.5 and 1
+        specs, weights = zip(*map(split_weight, updates["rewards"]), strict=True)
+        updates["rewards"] = list(specs)
+        if "reward_weights" not in overrides:
+            updates["reward_weights"] = [1.0 if w is None else w for w in weights]
+        elif any(w is not None for w in weights):
+            raise ValueError("give the rewards' weights one way: --reward NAME=WEIGHT or --set reward_weights=[...]")
     return load_config(GRPOConfig, path, updates, overrides)
+
+
+def split_weight(reward: str) -> tuple[str, float | None]:
+    """--reward's NAME=WEIGHT → (NAME, WEIGHT); NAME alone → (NAME, None)."""
+    name, equals, weight = reward.rpartition("=")
+    if not equals:
+        return reward, None
+    try:
+        return name, float(weight)
+    except ValueError:
+        raise ValueError(f"--reward {reward}: the weight after '=' must be a number, as in --reward {name}=0.5"
+                         ) from None
 
 
 def on_interrupt(args) -> str:
@@ -139,8 +168,9 @@ def _grpo(cfg: GRPOConfig) -> None:
     if latest is not None:
         trainer.resume(latest)
         say(f"resumed from {latest} at step {trainer.step_count}")
-    elif is_main:  # a fresh start: an old run's curve and checkpoints would mix in
+    elif is_main:  # a fresh start: an old run's curve, samples and checkpoints would mix in
         start_over(out_dir, "reward.png")
+        (out_dir / "samples.jsonl").unlink(missing_ok=True)
     if is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "grpo_config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))

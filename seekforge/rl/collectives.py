@@ -32,25 +32,23 @@ def my_groups(group_work: list[int]) -> list[int]:
     return balance_groups(group_work, dist.get_world_size())[dist.get_rank()]
 
 
-def all_groups(mine: list[int], completions: list[list[int]], rewards: list[float], metrics: dict,
-               num_groups: int, group_size: int) -> tuple[list[list[int]], torch.Tensor, dict]:
-    """This rank's groups' completions and rewards → every group's, in global order, and the reward
-    metrics over all ranks (means weighted by samples, errors summed)."""
-    pieces = [(mine, completions, rewards, metrics)]
+def all_groups(mine: list[int], completions: list[list[int]], values: list[list[float]], errors: int,
+               num_groups: int, group_size: int) -> tuple[list[list[int]], torch.Tensor, int]:
+    """This rank's groups' completions and each one's reward values (a row per completion) → every group's,
+    in global order ((N, R) float64), and the reward errors summed over ranks."""
+    pieces = [(mine, completions, values, errors)]
     if distributed():
         pieces = [None] * dist.get_world_size()
-        dist.all_gather_object(pieces, (mine, completions, rewards, metrics))
+        dist.all_gather_object(pieces, (mine, completions, values, errors))
     all_completions: list = [None] * (num_groups * group_size)
-    all_rewards = torch.zeros(num_groups * group_size)
-    for groups, comps, rews, _ in pieces:
+    width = max((len(p[2][0]) for p in pieces if p[2]), default=0)  # a rank may have had no groups
+    all_values = torch.zeros(num_groups * group_size, width, dtype=torch.float64)
+    for groups, comps, rows, _ in pieces:
         for k, g in enumerate(groups):
             for j in range(group_size):
                 all_completions[g * group_size + j] = comps[k * group_size + j]
-                all_rewards[g * group_size + j] = rews[k * group_size + j]
-    total = sum(len(p[1]) for p in pieces)
-    merged = {key: (sum(p[3][key] for p in pieces) if key == "reward_errors"
-                    else sum(p[3][key] * len(p[1]) for p in pieces) / total) for key in metrics}
-    return all_completions, all_rewards, merged
+                all_values[g * group_size + j] = torch.tensor(rows[k * group_size + j], dtype=torch.float64)
+    return all_completions, all_values, sum(p[3] for p in pieces)
 
 
 def all_sequences(mine: list[int], values: list[torch.Tensor], num_sequences: int) -> list[torch.Tensor]:
@@ -95,6 +93,16 @@ def shard_policy(policy) -> None:
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no pre-multiplied sum
+
+
+def first_error_over_ranks(error: tuple[str, str] | None) -> tuple[str, str] | None:
+    """(what failed, message) of the first rank that has an error, where any has: every rank stops alike (a
+    collective save follows), and rank 0, which prints, says what failed where."""
+    if not distributed():
+        return error
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    return next(((e[0], f"{e[1]} (on rank {rank})") for rank, e in enumerate(errors) if e is not None), None)
 
 
 def max_over_ranks(value: int) -> int:

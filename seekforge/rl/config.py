@@ -15,8 +15,8 @@ from typing import Any
 from seekforge.config import OptimizerConfig
 from seekforge.parallel.recompute import MODES as RECOMPUTE_MODES
 from seekforge.rl.algorithm import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SCALE_REWARDS, scale_rewards_mode
-from seekforge.rl.data import check_data_spec
-from seekforge.rl.rewards import resolve_reward
+from seekforge.rl.data import BUILTIN, check_data_spec
+from seekforge.rl.rewards import ON_ERROR, resolve_reward
 from seekforge.train.config_file import load_config
 
 # The built-in base: a small dense-then-MoE DeepSeek-V3 (MLA, 8 experts top-2, no MTP) that learns
@@ -32,14 +32,16 @@ DEFAULT_BASE_MODEL = dict(hidden_size=128, num_hidden_layers=3, intermediate_siz
 class GRPOConfig:
     base: str = ""  # HF checkpoint directory of the starting policy; "": prepare the built-in base
     tokenizer: str = "byte"  # used with the built-in base; a given base brings its own
-    # The prompts (rl/data.py): builtin:arithmetic, or a .jsonl file of {"prompt": ..., other columns} lines
-    # whose columns reach the rewards; its held-out prompts (eval_prompts of them) are graded by rewards[0].
+    # The prompts (rl/data.py): builtin:arithmetic, a .jsonl / .parquet file, a datasets.save_to_disk directory
+    # (DIR[:SPLIT]) or hf:NAME[:CONFIG]:SPLIT, with a `prompt` column (text or chat messages) and other columns
+    # that reach the rewards; its held-out prompts (eval_data's, or eval_prompts of its rows) are graded by rewards[0].
     data: str = "builtin:arithmetic"
     # builtin:arithmetic: the ArithmeticTask levels of the prompts. Level 1 (20,000 questions) over level 2
     # (~950, so RL prompts repeat what the base memorized): +8 vs +5 held-out points from a 30%-36% base
     # (git log -p BENCHMARKS.md)
     task_levels: list[int] = field(default_factory=lambda: [1])
-    rewards: list[str] = field(default_factory=lambda: ["arithmetic"])  # built-in names or module:function
+    # built-in names (arithmetic, format, boxed, length), module:function or path/to/file.py:function (rl/rewards.py)
+    rewards: list[str] = field(default_factory=lambda: ["arithmetic"])
     reward_weights: list[float] = field(default_factory=lambda: [1.0])
     steps: int = 300  # rollout iterations
     # 64 prompts: on the built-in base, 16 per step left the Adam updates too noisy to help
@@ -95,6 +97,15 @@ class GRPOConfig:
     recompute: str = "none"
     eval_prompts: int = 500  # held-out prompts, greedy; 0 disables (500: ±2 points of binomial noise at 30%)
     eval_interval: int = 25
+    # --- a user's data and rewards, the held-out evaluation and the samples file (rl/data.py, rl/rewards.py,
+    # rl/evaluate.py, rl/score.py)
+    eval_data: str = ""  # held-out prompts of their own, in any form `data` takes; "": eval_prompts of data's rows
+    # a reward that raises or returns the wrong number of values: raise (the run stops, its state at the last
+    # completed step saved, so a fixed reward resumes it) | zero (those samples score 0; counted in reward_errors)
+    reward_errors: str = "raise"
+    eval_k: int = 0  # pass@k at each evaluation: k completions per held-out prompt at `temperature`; 0: greedy only
+    eval_pass_score: float = 1.0  # a held-out completion passes when the grading reward (rewards[0]) reaches this
+    sample_interval: int = 25  # every N steps each completion (prompt, text, rewards) → out_dir/samples.jsonl; 0: off
     seed: int = 0
     out_dir: str = "runs/grpo"
     save_interval: int = 20  # 0: save only at the end
@@ -196,9 +207,21 @@ class GRPOConfig:
             bad("reward_weights", f"give numbers, one per reward (got {self.reward_weights})")
         if len(self.reward_weights) != len(self.rewards) or not self.rewards:
             bad("reward_weights", f"give one weight per reward ({len(self.rewards)} rewards: {self.rewards})")
+        self._validate_data_and_rewards(bad)
+
+    def _validate_data_and_rewards(self, bad) -> None:
         for spec in self.rewards:
             resolve_reward(spec)  # an unknown name fails here, before anything is built
         check_data_spec(self.data)
+        if self.eval_data:
+            if self.data == BUILTIN:
+                bad("eval_data", f"needs data other than {BUILTIN!r}, which holds out questions of its own")
+            check_data_spec(self.eval_data, "eval_data")
+        if self.reward_errors not in ON_ERROR:
+            bad("reward_errors", f"choose one of {ON_ERROR}")
+        for key in ("eval_k", "sample_interval"):
+            if not isinstance(getattr(self, key), int) or getattr(self, key) < 0:
+                bad(key, "must be an integer >= 0")
 
 
 def _is_number(value) -> bool:

@@ -20,6 +20,7 @@ import torch
 from seekforge.config import EngineConfig
 from seekforge.rl.collectives import my_groups
 from seekforge.rl.config import GRPOConfig
+from seekforge.rl.data import render_prompt
 from seekforge.serve.engine import LLMEngine
 from seekforge.serve.kv_cache import zeros_on_demand
 from seekforge.serve.sequence import SamplingParams
@@ -84,10 +85,11 @@ def engine_config(cfg: GRPOConfig) -> EngineConfig:
                         compile=cfg.compile)
 
 
-def encode_prompt(tokenizer, prompt: str) -> list[int]:
+def encode_prompt(tokenizer, prompt: str | list[dict]) -> list[int]:
     """Pretraining documents follow an end-of-document token (data/dataset joins documents with it),
-    so a prompt starts after one, as every question the base model saw did."""
-    return [tokenizer.eos_token_id, *tokenizer.encode(prompt)]
+    so a prompt starts after one, as every question the base model saw did. A chat prompt (a list of
+    messages) is rendered by the tokenizer's chat template first (rl/data.render_prompt)."""
+    return [tokenizer.eos_token_id, *tokenizer.encode(render_prompt(tokenizer, prompt))]
 
 
 def rollout_seeds(seed: int, step: int, count: int, group_size: int) -> list[int]:

@@ -34,7 +34,8 @@ from seekforge.rl.config import GRPOConfig
 from seekforge.rl.data import prompt_dataset
 from seekforge.rl.evaluate import evaluate
 from seekforge.rl.replica import EngineWeights
-from seekforge.rl.rewards import RewardSet
+from seekforge.rl.report import append_samples
+from seekforge.rl.rewards import RewardError, RewardSet
 from seekforge.rl.rollout import Rollout, encode_prompt, engine_config, offload, rollout_seeds, sample_groups
 from seekforge.rl.score import ScoredBatch, score_groups
 from seekforge.rl.update import (
@@ -80,15 +81,17 @@ class GRPOTrainer:
         if self.compute_dtype == torch.bfloat16 and not self.sharded and can_use_master_weights(policy):
             self.master_weights = MasterWeights(policy, copies=self.engine_model)
         self.optimizer, self.scheduler = build_optimizer(policy, cfg.optimizer_config())
-        self.rewards = RewardSet(list(cfg.rewards), list(cfg.reward_weights))
-        # the prompts (rl/data.py): the built-in task or the user's JSONL file
-        self.prompt_stream = prompt_dataset(cfg.data, cfg.seed, cfg.eval_prompts, cfg.task_levels, cfg.rewards)
+        self.rewards = RewardSet(list(cfg.rewards), list(cfg.reward_weights), cfg.reward_errors, cfg.max_new_tokens)
+        # the prompts (rl/data.py): the built-in task or the user's data
+        self.prompt_stream = prompt_dataset(cfg.data, cfg.seed, cfg.eval_prompts, cfg.task_levels, cfg.eval_data,
+                                            tokenizer)
         self.loss_settings = LossSettings(cfg.loss_type, cfg.clip_low, cfg.clip_high, cfg.beta, cfg.temperature,
                                           cfg.use_bias_correction_kl, cfg.importance_sampling_level, cfg.delta,
                                           cfg.sapo_temperature_pos, cfg.sapo_temperature_neg)
         self.rollout = Rollout(self.engine_model, tokenizer, engine_config(cfg))
         self.moe_layers = policy.moe_layers()
         self.step_count = 0
+        self.saved_step = None
         # Phase timings (Prometheus), on-demand traces, and from cfg.probe the monitor and dumps, as in
         # pretraining; phases here: rollout, rewards, backward, optimizer.
         self.probe = TrainingProbe.open(cfg.probe, [policy], [self.optimizer], self.out_dir)
@@ -98,14 +101,35 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------ state
     def save(self) -> Path:
+        self.saved_step = self.step_count
         return save_checkpoint(self.out_dir / "checkpoints", self.step_count, self.policy, self.optimizer,
                                self.scheduler, self.prompt_stream, keep=self.cfg.keep_checkpoints)
+
+    def _saving_on_reward_error(self, call, logger, bar=None, metrics: dict | None = None):
+        """call() → its result. A failed reward (reward_errors="raise") stops the run: the step's `metrics` are
+        logged, and the run's state at its last completed step is saved (none before the first), so that the
+        fixed reward resumes the run."""
+        try:
+            return call()
+        except RewardError as e:
+            if metrics is not None:  # the held-out grading failed after the step
+                logger.log(self.step_count, metrics)
+            for record in (logger, bar):
+                if record is not None:
+                    record.close()
+            if self.step_count and self.saved_step != self.step_count:
+                self.save()
+            where = (f"the run's state at step {self.step_count} is saved in {self.out_dir / 'checkpoints'}; fix "
+                     "the reward and rerun the same command to resume" if self.step_count else
+                     "no step had completed (nothing saved)")
+            raise RewardError(e.reward, f"{e}; {where}") from e
 
     def resume(self, path: str | Path | None = None) -> bool:
         path = path or latest_checkpoint(self.out_dir / "checkpoints", self.cfg.checkpoint_fallback)
         if path is None:
             return False
         self.step_count = load_checkpoint(path, self.policy, self.optimizer, self.scheduler, self.prompt_stream)
+        self.saved_step = self.step_count
         follow_schedule(self.optimizer, self.scheduler, self.cfg.lr)
         self._weights_updated()
         return True
@@ -150,6 +174,9 @@ class GRPOTrainer:
 
         start = time.perf_counter()
         scored = score_groups(self.rewards, self.tokenizer, samples, mine, local, cfg.group_size, cfg.scale_rewards)
+        if cfg.sample_interval and (step + 1) % cfg.sample_interval == 0 and is_main():
+            append_samples(self.out_dir / "samples.jsonl", step + 1, samples, scored, self.tokenizer,
+                           self.rewards.names)
         seqs, rows = pack_my_sequences(prompt_ids, scored.completions, cfg.group_size, cfg.max_pack_tokens,
                                        cfg.max_pack_count, self.compute_dtype, self.device, self.sharded)
         scored_mask = in_loss(scored.completions, self.stop_ids, cfg.mask_truncated_completions)
@@ -228,12 +255,12 @@ class GRPOTrainer:
         self._park(self.optimizer)
         return sums, grad_norm
 
-    def evaluate(self) -> float:
-        """Held-out score on the training engine (rl/evaluate.py)."""
-        accuracy = evaluate(self.rollout, self.tokenizer, self.prompt_stream, self.cfg.max_new_tokens)
+    def evaluate(self) -> dict[str, float]:
+        """Held-out scores on the training engine (rl/evaluate.py): eval_accuracy, eval_pass@k."""
+        scores = evaluate(self.rollout, self.tokenizer, self.prompt_stream, self.cfg)
         if self.cfg.swap:
             self.rollout.sleep()
-        return accuracy
+        return scores
 
     # ------------------------------------------------------------------ the loop
     def fit(self, stop_at: int | None = None, progress: bool = True) -> list[dict]:
@@ -244,14 +271,14 @@ class GRPOTrainer:
         logger = MetricsLogger(self.out_dir, enabled=is_main())
         progress = progress and is_main()
         if self.step_count == 0 and cfg.eval_prompts:
-            logger.log(0, {"eval_accuracy": self.evaluate()})
+            logger.log(0, self._saving_on_reward_error(self.evaluate, logger))
         history = []
         bar = tqdm(total=cfg.steps, initial=self.step_count, unit="step", dynamic_ncols=True, disable=not progress)
         while self.step_count < end:
-            metrics = self.step()
+            metrics = self._saving_on_reward_error(self.step, logger, bar)
             last = self.step_count == cfg.steps
             if cfg.eval_prompts and (last or (cfg.eval_interval and self.step_count % cfg.eval_interval == 0)):
-                metrics["eval_accuracy"] = self.evaluate()
+                metrics.update(self._saving_on_reward_error(self.evaluate, logger, bar, metrics))
             history.append(metrics)
             logger.log(self.step_count, metrics)
             bar.update(1)
