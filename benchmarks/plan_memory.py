@@ -45,6 +45,10 @@ class Case:
 
 
 SMALL4 = dict(num_hidden_layers=4)  # small preset: 1 dense + 3 MoE layers, MTP
+# Issue 44's config, which no test uses: no q_lora, narrower, fewer experts, 1 dense + 2 MoE layers, MTP.
+ISSUE44 = dict(num_hidden_layers=3, hidden_size=320, n_routed_experts=8, num_experts_per_tok=2, kv_lora_rank=96,
+               q_lora_rank=None)
+I44 = dict(seq_len=384, micro_batch_size=3)
 CASES = [
     Case("single-dense", dict(num_hidden_layers=4, n_routed_experts=0, first_k_dense_replace=4)),
     Case("single-moe", SMALL4),
@@ -55,6 +59,12 @@ CASES = [
     Case("fsdp2-ep2-moe-full", SMALL4, dict(dp_shard=2, ep=2), recompute="full", micro_batch_size=4),
     Case("pp2-1f1b", SMALL4, dict(pp=2, pp_schedule="1F1B", microbatches=4)),
     Case("pp2-zbv", SMALL4, dict(pp=2, pp_schedule="ZBVZeroBubble", microbatches=4)),
+    Case("i44-bf16", ISSUE44, **I44),
+    Case("i44-bf16-full", ISSUE44, recompute="full", **I44),
+    Case("i44-bf16-selective", ISSUE44, recompute="selective", **I44),
+    Case("i44-fp32", ISSUE44, dtype="fp32", **I44),
+    Case("i44-fsdp2-ep2-fp32", ISSUE44, dict(dp_shard=2, ep=2), dtype="fp32", **I44),
+    Case("i44-pp2-1f1b", ISSUE44, dict(pp=2, pp_schedule="1F1B", microbatches=3), **I44),
 ]
 
 
@@ -64,8 +74,17 @@ def train_config(case: Case) -> TrainConfig:
                        parallel=case.parallel, out_dir=tempfile.gettempdir())
 
 
-def measure_rank(case: Case, mesh=None) -> int:
-    """Build, train one step, then measure the second step's peak live bytes on this rank."""
+def measure_rank(case: Case, mesh=None) -> tuple[int, int]:
+    """Build, train one step, then measure the second step's peak live bytes on this rank: (the
+    profiler's allocation record, started before the model is built; LiveBytes)."""
+    from seekforge.plan.measure import ProfilerLiveBytes
+
+    with ProfilerLiveBytes() as reference:
+        live = _train_and_measure(case, mesh, reference)
+    return reference.peak, live
+
+
+def _train_and_measure(case: Case, mesh, reference) -> int:
     from seekforge.model.model import build_model
     from seekforge.parallel.parallelize import parallelize
     from seekforge.parallel.pp import PipelineRunner
@@ -91,8 +110,8 @@ def measure_rank(case: Case, mesh=None) -> int:
 
     trainer = Trainer(cfg, model, loader(), mesh=mesh)
     trainer.train_step()
-    tracker = LiveBytes(state_tensors(trainer.modules, trainer.optimizers))
-    with tracker:
+    tracker = LiveBytes(state_tensors(trainer.modules, trainer.optimizers, trainer.master_weights))
+    with reference.window(), tracker:
         trainer.train_step()
     return tracker.peak
 
@@ -110,8 +129,8 @@ def _rank_main(rank: int, world: int, tmp: str, case: Case, out: dict) -> None:
     dist.destroy_process_group()
 
 
-def measure(case: Case) -> list[int]:
-    """Measured peak bytes per rank."""
+def measure(case: Case) -> list[tuple[int, int]]:
+    """Measured peak bytes per rank: (profiler reference, LiveBytes)."""
     pc = ParallelConfig(**case.parallel)
     if pc.world_size == 1:
         return [measure_rank(case)]
@@ -137,8 +156,8 @@ def main() -> None:
     chosen = [c for c in CASES if c.name in args.cases.split(",")]
     print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, torch {torch.__version__}, small preset "
           f"(4 layers: 1 dense + 3 MoE, MTP), seq 256; peak live tensor bytes of the 2nd training step")
-    print(f"{'case':<22}{'rank':>5}{'predicted MiB':>15}{'measured MiB':>14}{'error':>8}{'traced MiB':>12}"
-          f"{'error':>8}")
+    print(f"{'case':<22}{'rank':>5}{'predicted MiB':>15}{'profiler MiB':>14}{'error':>8}{'LiveBytes':>11}"
+          f"{'error':>8}{'traced MiB':>12}{'error':>8}")
     worst = 0.0
     for case in chosen:
         plan = predict(case)
@@ -148,11 +167,12 @@ def main() -> None:
             cfg = train_config(case)
             traced = traced_peak(cfg.model_config(), case.micro_batch_size, case.seq_len, case.dtype, case.recompute,
                                  pc=pc)
-        for rank, measured in enumerate(measure(case)):
+        for rank, (measured, live) in enumerate(measure(case)):
             predicted = plan.rank_peak(rank)
             err = predicted / measured - 1
             worst = max(worst, abs(err))
-            row = f"{case.name:<22}{rank:>5}{predicted / 2**20:>15.1f}{measured / 2**20:>14.1f}{err:>+8.1%}"
+            row = (f"{case.name:<22}{rank:>5}{predicted / 2**20:>15.1f}{measured / 2**20:>14.1f}{err:>+8.1%}"
+                   f"{live / 2**20:>11.1f}{live / measured - 1:>+8.1%}")
             if traced is not None:
                 row += f"{traced / 2**20:>12.1f}{traced / measured - 1:>+8.1%}"
             print(row, flush=True)
