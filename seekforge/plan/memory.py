@@ -37,6 +37,9 @@ class UnitMemory:
     activations: float  # bytes saved for backward, per micro-batch
     copies: float  # bf16 weight copies kept from forward to backward, per micro-batch pass
     workspace: float  # transient peak of this unit's backward
+    new_grads: float = 0.0  # gradient bytes this unit's backward creates (fp32, or bf16 under master weights)
+    persistent: float = 0.0  # train/master.py's bf16 compute copies and fp32 main gradients, alive all step
+    final_grads: float = 0.0  # gradient bytes alive at the optimizer step outside `persistent`
 
 
 @dataclass
@@ -122,10 +125,11 @@ def _rank_memory(pc: ParallelConfig, rank: int, stage_ids: list[int], per_stage:
     and the optimizer step."""
     mems = [m for s in stage_ids for m in per_stage[s]]
     params = sum(m.params for m in mems)
-    grads = params  # fp32 gradients of this rank's (sharded) parameters
+    grads = params  # fp32 gradients of this rank's (sharded) parameters (main gradients under master weights)
     optimizer = params / 4 * 2 * optimizer_bytes
-    state = params + optimizer
-    copies = sum(m.copies for m in mems)
+    persistent = sum(m.persistent for m in mems)
+    state = params + optimizer + persistent
+    copies = sum(m.copies for m in mems) + sum(m.persistent for m in mems) / 3  # the bf16 third of persistent
     fsdp_gather = shape.fsdp_gather(mems)
     if pc.pp > 1:
         # The other in-flight micro-batches stay while one is backwarded through one of this
@@ -141,11 +145,11 @@ def _rank_memory(pc: ParallelConfig, rank: int, stage_ids: list[int], per_stage:
     end_of_forward = base + sum(m.activations + m.copies for m in swept)
     peak, phase, live = end_of_forward, "end of forward", end_of_forward
     for m in reversed(swept):  # the backward sweep, last unit first
-        during = live + m.workspace + fsdp_gather + m.params  # + this unit's new gradients
+        during = live + m.workspace + fsdp_gather + m.new_grads  # + this unit's new gradients
         if during > peak:
             peak, phase = during, f"backward of {m.unit.kind} {m.unit.layer_id}"
-        live += (0.0 if accumulating else m.params) - m.activations - m.copies
-    step = state + grads  # fused AdamW updates in place
+        live += (0.0 if accumulating else m.new_grads) - m.activations - m.copies
+    step = state + sum(m.final_grads for m in mems)  # fused AdamW updates in place
     if step > peak:
         peak, phase = step, "optimizer step"
     name = f"pp rank {rank} (stages {', '.join(map(str, stage_ids))})" if pc.pp > 1 else "every rank"
@@ -207,7 +211,10 @@ class UnitBytes:
         # Autocast keeps a bf16 copy of each fp32 weight from forward to backward; FSDP's bf16
         # mixed precision computes on bf16 weights it gathers and frees again (storage resize), so
         # nothing stays (parallel/fsdp.py).
-        self.keeps_copies = self.autocast and pc.mixed_precision == "fp32"
+        # One process in bf16 (no runner, no DTensor): train/master.py's persistent bf16 weights instead
+        # of autocast's per-forward casts.
+        self.master = self.autocast and pc.world_size == 1
+        self.keeps_copies = self.autocast and pc.mixed_precision == "fp32" and not self.master
         self.skew = moe_skew if pc.ep > 1 else 1.0
         self.shard = pc.dp_shard  # FSDP shards parameters, gradients and states over dp_shard
         self.gathered_dtype = 2 if pc.mixed_precision == "bf16" else 4
@@ -230,10 +237,33 @@ class UnitBytes:
         # dp_shard): 1/dp_shard of them per rank, like every other weight.
         params = 4.0 * ((u.attn_params + u.dense_params) / tp + u.expert_params) / self.shard
         if u.kind == "embed":
-            return UnitMemory(u, params, 8.0 * self.n, 0.0, 4.0 * u.dense_params / tp)
+            mem = UnitMemory(u, params, 8.0 * self.n, 0.0, 4.0 * u.dense_params / tp)
+        elif u.kind == "head":
+            mem = self._head(u, params)
+        else:
+            mem = self._block(u, params, mode)
+        mem.new_grads = mem.final_grads = params
+        if self.master:
+            # train/master.py: a persistent bf16 copy and fp32 main gradient per matmul weight; backward
+            # leaves bf16 gradients, added into the main gradients when the pass ends.
+            matmul = 4.0 * self.matmul_params(u)
+            mem.persistent = matmul / 4 * (2 + 4)
+            mem.final_grads = params - matmul
+            mem.new_grads = mem.final_grads + matmul / 2
+        return mem
+
+    def matmul_params(self, u: Unit) -> float:
+        """Elements of train/master.py's matmul parameters (Linear weights, stacked experts) in a unit:
+        all but the embedding, the RMSNorm gains and the router's weight and bias (unsharded: master
+        weights are one process's)."""
+        cfg, h = self.cfg, self.cfg.hidden_size
+        if u.kind == "embed":
+            return 0.0
         if u.kind == "head":
-            return self._head(u, params)
-        return self._block(u, params, mode)
+            return u.dense_params - h
+        norms = 2 * h + cfg.kv_lora_rank + (cfg.q_lora_rank or 0) + (3 * h if u.kind == "mtp" else 0)
+        router = cfg.n_routed_experts * (h + 1) if u.expert_params else 0
+        return u.params - norms - router
 
     def _head(self, u: Unit, params: float) -> UnitMemory:
         cfg, n, a = self.cfg, self.n, self.a
@@ -242,8 +272,9 @@ class UnitBytes:
         logits = a * n * v  # saved by the chunked cross-entropy (fp32 log-probabilities without autocast)
         saved = 4.0 * n * h + normed + logits + 16.0 * n
         copies = 2.0 * v * h if self.keeps_copies else 0.0
-        # backward: the logits' gradient, then the head's weight gradient in bf16 and its fp32 cast
-        workspace = a * n * v + (2.0 * v * h if self.autocast else 0.0)
+        # backward: the logits' gradient, then the head's weight gradient in bf16 and its fp32 cast (under
+        # master weights the bf16 gradient is the gradient, counted by the sweep)
+        workspace = a * n * v + (2.0 * v * h if self.autocast and not self.master else 0.0)
         return UnitMemory(u, params, saved, copies, workspace)
 
     def _block(self, u: Unit, params: float, mode: str) -> UnitMemory:
@@ -344,7 +375,7 @@ class UnitBytes:
         experts = 0.0
         if u.expert_params:
             per_proj = u.expert_params / self.pc.ep * 2 / 3  # gate_up is 2 of the 3 expert matrices
-            experts = per_proj * (2.0 if self.autocast else 0.0)
+            experts = per_proj * (2.0 if self.autocast and not self.master else 0.0)
         return max(scores, experts)
 
 
