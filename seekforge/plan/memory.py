@@ -295,7 +295,7 @@ class UnitBytes:
             mlp, experts_saved, experts_internal, expert_copies = self._moe(u)
         else:
             inter = cfg.intermediate_size / tp
-            mlp = residual + norm_out + 4 * a * n * inter
+            mlp = residual + norm_out + 3 * a * n * inter  # model/moe.py's _SwiGLU saves gate and up; the product
             experts_saved = experts_internal = expert_copies = 0.0
         copies = 2.0 * (u.attn_params + u.dense_params) / tp if self.keeps_copies else 0.0
         copies += expert_copies
@@ -356,11 +356,11 @@ class UnitBytes:
         else:
             inputs = 4.0 * n * h
         router = a * n * e + 8.0 * n * k + 2 * a * n * k
-        shared = 4 * a * n * shared_inter
+        shared = 3 * a * n * shared_inter  # gate and up (saved by _SwiGLU), the product (down_proj's input)
         dispatch = 8.0 * s * 2  # the sort order and its inverse (int64)
         outside = residual + inputs + router + shared + dispatch
         at_experts = a * received * h + a * s * h  # expert input copies; the unsorted outputs in combine
-        inside = a * received * (2 * inter + inter + inter)  # gate_up output, silu output, the product
+        inside = a * received * (2 * inter + inter)  # gate_up output (saved by _SwiGLU), the product
         copies = 2.0 * u.expert_params / self.pc.ep if self.keeps_copies else 0.0
         if self.pc.ep > 1:
             at_experts += a * s * h  # the all-to-all's received buffer before regrouping by expert
