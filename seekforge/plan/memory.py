@@ -40,6 +40,8 @@ class UnitMemory:
     new_grads: float = 0.0  # gradient bytes this unit's backward creates (fp32, or bf16 under master weights)
     persistent: float = 0.0  # train/master.py's bf16 compute copies and fp32 main gradients, alive all step
     final_grads: float = 0.0  # gradient bytes alive at the optimizer step outside `persistent`
+    head_call: float = 0.0  # MTP: its head call's saved bytes, freed (first) before its block's backward
+    head_workspace: float = 0.0  # MTP: the logits' gradient while that head call is backwarded
 
 
 @dataclass
@@ -145,10 +147,14 @@ def _rank_memory(pc: ParallelConfig, rank: int, stage_ids: list[int], per_stage:
     end_of_forward = base + sum(m.activations + m.copies for m in swept)
     peak, phase, live = end_of_forward, "end of forward", end_of_forward
     for m in reversed(swept):  # the backward sweep, last unit first
+        if m.head_call:  # an MTP module's head call first, then its block
+            if live + m.head_workspace > peak:
+                peak, phase = live + m.head_workspace, f"backward of {m.unit.kind} {m.unit.layer_id}'s head call"
+            live -= m.head_call
         during = live + m.workspace + fsdp_gather + m.new_grads  # + this unit's new gradients
         if during > peak:
             peak, phase = during, f"backward of {m.unit.kind} {m.unit.layer_id}"
-        live += (0.0 if accumulating else m.new_grads) - m.activations - m.copies
+        live += (0.0 if accumulating else m.new_grads) - (m.activations - m.head_call) - m.copies
     step = state + sum(m.final_grads for m in mems)  # fused AdamW updates in place
     if step > peak:
         peak, phase = step, "optimizer step"
@@ -303,31 +309,45 @@ class UnitBytes:
             saved = residual + extra  # the block input (and the MTP module's own pieces)
             recompute_peak = attention + mlp + experts_saved + experts_internal
             workspace = recompute_peak + self._backward_workspace(u, nh) + copies
-            return UnitMemory(u, params, saved, 0.0, workspace)
+            return self._with_head_call(UnitMemory(u, params, saved, 0.0, workspace))
         if mode == "selective":
             attention = residual + (4.0 * n * h)  # the wrapper keeps the attention's (fp32) normed input
             saved = attention + mlp + experts_saved + extra
             copies = 2.0 * u.dense_params / tp if self.keeps_copies else 0.0
             workspace = self._backward_workspace(u, nh) + attn + experts_internal + expert_copies
             workspace += 2.0 * u.attn_params / tp if self.keeps_copies else 0.0
-            return UnitMemory(u, params, saved, copies, workspace)
+            return self._with_head_call(UnitMemory(u, params, saved, copies, workspace))
         saved = attention + mlp + experts_saved + experts_internal + extra
-        return UnitMemory(u, params, saved, copies, self._backward_workspace(u, nh))
+        return self._with_head_call(UnitMemory(u, params, saved, copies, self._backward_workspace(u, nh)))
+
+    def _with_head_call(self, mem: UnitMemory) -> UnitMemory:
+        """An MTP module's head call is backwarded before its block: its logits and their gradient are
+        gone when the block's own transients peak."""
+        if mem.unit.kind == "mtp":
+            mem.head_call, mem.head_workspace = self._mtp_head()
+        return mem
 
     def _mtp_extra(self) -> float:
         """What an MTP module keeps besides its block's usual share: the embedding lookup (saved by
         enorm), eh_proj's input [enorm(emb); hnorm(h)], its head call (norm input, head input,
         logits) — and, under autocast, 2NH more in each of its block's two norms, whose input is
         eh_proj's bf16 output (an fp32 copy and the normed bf16 input are saved)."""
-        cfg, n, h, a = self.cfg, self.n, self.cfg.hidden_size, self.a
-        logits = a * n * cfg.vocab_size / self.pc.tp + 16.0 * n  # + the targets and log-sum-exp per row
+        n, h = self.n, self.cfg.hidden_size
         if self.autocast:
             eh_input = 2.0 * n * 2 * h
             block_norms = 2 * 2.0 * n * h
-            head = (4.0 + 2.0) * n * h + logits
         else:
-            eh_input, block_norms, head = 8.0 * n * h, 0.0, 4.0 * n * h + logits
-        return 4.0 * n * h + eh_input + block_norms + head
+            eh_input, block_norms = 8.0 * n * h, 0.0
+        return 4.0 * n * h + eh_input + block_norms + self._mtp_head()[0]
+
+    def _mtp_head(self) -> tuple[float, float]:
+        """(saved, backward workspace) of an MTP module's call of the shared head: the norm's input (and
+        its bf16 output under autocast), the logits, the targets and log-sum-exp per row; the logits'
+        gradient."""
+        cfg, n, h, a = self.cfg, self.n, self.cfg.hidden_size, self.a
+        logits = a * n * cfg.vocab_size / self.pc.tp
+        norm = (4.0 + 2.0) * n * h if self.autocast else 4.0 * n * h
+        return norm + logits + 16.0 * n, logits
 
     def _attention_core(self, nh: float) -> float:
         """MatmulAttention saves the scaled q, k, v and the probabilities; o_proj its (B, T, nh·dv) input.
