@@ -11,6 +11,10 @@ on a "fake" process group of the layout's world size (torch's FakeStore; collect
 and move nothing), and this process plays rank 0. Expert parallelism needs the exchanged token
 counts, pipelining real point-to-point traffic, and the tensor-parallel loss trips over fake inputs
 in DTensor's cross-entropy backward: plan/memory.py covers those layouts.
+
+bf16 on one device follows the trainer (train/master.py): persistent bf16 copies of the matmul weights
+and persistent fp32 main gradients (`_MasterWeightsTrace`, the same tensors, its own few lines since plan/
+sits below train/); sharded layouts autocast over FSDP2's policy, as the trainer does.
 """
 
 from __future__ import annotations
@@ -22,7 +26,39 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
 from seekforge.config import ModelConfig, ParallelConfig
+from seekforge.model.moe import GroupedExperts
 from seekforge.plan.measure import LiveBytes
+
+
+class _MasterWeightsTrace:
+    """train/master.MasterWeights' tensors: a bf16 copy per matmul weight (Linear, stacked experts; not
+    one tied to another module), swapped in for forward and backward; its bf16 gradient added into a
+    persistent fp32 main gradient when the pass ends."""
+
+    def __init__(self, model: torch.nn.Module):
+        linear = (torch.nn.Linear, GroupedExperts)
+        others = {id(p) for m in model.modules() if not isinstance(m, linear) for p in m.parameters(recurse=False)}
+        self.params = list({id(p): p for m in model.modules() if isinstance(m, linear)
+                            for p in m.parameters(recurse=False) if id(p) not in others}.values())
+        self.copies = [torch.empty_like(p, dtype=torch.bfloat16) for p in self.params]
+        self.main_grads = [None] * len(self.params)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return self.copies + [g for g in self.main_grads if g is not None]
+
+    @contextmanager
+    def compute(self):
+        masters = [p.data for p in self.params]
+        torch._foreach_copy_(self.copies, masters)
+        for p, copy in zip(self.params, self.copies, strict=True):
+            p.grad, p.data = None, copy
+        yield
+        for i, (p, master) in enumerate(zip(self.params, masters, strict=True)):
+            grad, p.grad, p.data = p.grad, None, master
+            if grad is not None:
+                if self.main_grads[i] is None:
+                    self.main_grads[i] = torch.empty_like(grad, dtype=torch.float32)
+                p.grad = self.main_grads[i].copy_(grad)
 
 
 @contextmanager
@@ -87,16 +123,18 @@ def traced_peak(cfg: ModelConfig, micro_batch_size: int, seq_len: int, dtype: st
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         ids = torch.zeros(micro_batch_size, seq_len + 1, dtype=torch.long)
         autocast = torch.autocast("cpu", dtype=torch.bfloat16) if dtype == "bf16" else nullcontext()
+        master = _MasterWeightsTrace(model) if dtype == "bf16" and mesh is None else None
 
         def step():
-            with autocast:
-                loss, _ = lm_loss(model, ids[:, :-1], ids[:, 1:], mtp_loss_scale=mtp_loss_scale)
-            loss.backward()
+            with master.compute() if master else nullcontext():
+                with autocast:
+                    loss, _ = lm_loss(model, ids[:, :-1], ids[:, 1:], mtp_loss_scale=mtp_loss_scale)
+                loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
         step()
-        existing = [*model.parameters(), *model.buffers()]
+        existing = [*model.parameters(), *model.buffers(), *(master.tensors() if master else [])]
         existing += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
         with LiveBytes(existing) as tracker:
             step()

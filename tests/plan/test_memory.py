@@ -31,7 +31,7 @@ def measured_peak(cfg: TrainConfig) -> int:
 
     trainer = Trainer(cfg, model, batches(), out_dir="/tmp/unused")
     trainer.train_step()  # creates the AdamW states
-    tracker = LiveBytes(state_tensors(trainer.modules, trainer.optimizers))
+    tracker = LiveBytes(state_tensors(trainer.modules, trainer.optimizers, trainer.master_weights))
     with tracker:
         trainer.train_step()
     return tracker.peak
