@@ -97,7 +97,9 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
+        # Inputs too: a storage made outside any operator (a collective's C++ buffer, a tensor built
+        # before the mode was entered and not passed in) counts from the first op that reads it.
+        for t in tree_flatten((out, args, kwargs))[0]:
             self._track(t)
         return out
 

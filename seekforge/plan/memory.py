@@ -66,27 +66,38 @@ class RankMemory:
 
 @dataclass
 class MemoryPlan:
-    ranks: list[RankMemory]  # one per pipeline rank
+    ranks: list[RankMemory]  # per pipeline rank, per expert-parallel class (pp-major)
     world_size: int
+    ep_classes: int = 1  # 1: every EP rank alike (planned as the busiest); else one class per EP rank
+    tp: int = 1
 
     @property
     def peak(self) -> float:
         return max(r.peak for r in self.ranks)
 
+    def rank_of(self, global_rank: int) -> RankMemory:
+        """pp is the outermost mesh dimension and ep the one inside tp's (parallel/mesh.py)."""
+        pp_rank = global_rank // (self.world_size // (len(self.ranks) // self.ep_classes))
+        ep_rank = (global_rank // self.tp) % self.ep_classes
+        return self.ranks[pp_rank * self.ep_classes + ep_rank]
+
     def rank_peak(self, global_rank: int) -> float:
-        """pp is the outermost mesh dimension (parallel/mesh.py): global ranks are pp-major."""
-        return self.ranks[global_rank // (self.world_size // len(self.ranks))].peak
+        return self.rank_of(global_rank).peak
 
 
 def estimate_memory(cfg: ModelConfig, pc: ParallelConfig, micro_batch_size: int, seq_len: int,
-                    dtype: str = "bf16", optimizer_bytes: int = 4, moe_skew: float = 1.0,
+                    dtype: str = "bf16", optimizer_bytes: int = 4, moe_skew: float | list[float] = 1.0,
                     split_points: list[int] | None = None, recompute: str | list[str] | None = None,
                     flash_attention: bool = False) -> MemoryPlan:
-    """Peak bytes per pipeline rank for one training step.
+    """Peak bytes per pipeline rank (and, given per-rank routing, per expert-parallel rank) for one step.
 
     micro_batch_size: sequences per data-parallel rank per step (divided into pc.microbatches under pp);
     dtype: "bf16" (autocast over fp32 master weights) or "fp32"; optimizer_bytes: 4 (fp32 AdamW
-    moments) or 2 (bf16); moe_skew: the busiest expert-parallel rank's received copies over the mean;
+    moments) or 2 (bf16); moe_skew: the routed copies an expert-parallel rank receives over the mean.
+    The plan cannot know the routing (EP ranks hold equal expert counts: config/parallel.py requires ep
+    to divide E, so the token copies they receive are all that differs): one number plans every EP rank
+    as the busiest (an upper bound for the others; 1.0 is balanced routing), a list of ep numbers (one
+    per EP rank, e.g. from a run's per-rank token counts) gives each EP rank its own row;
     recompute: overrides pc.recompute (one mode, or one per block: main layers then MTP blocks);
     flash_attention: the CUDA path (SDPA keeps q, k, v, its output and a log-sum-exp per row) rather
     than the CPU one (MatmulAttention keeps the (T, T) probabilities)."""
@@ -105,20 +116,30 @@ def estimate_memory(cfg: ModelConfig, pc: ParallelConfig, micro_batch_size: int,
     if micro_batch_size % microbatches:
         raise ValueError(f"micro_batch_size={micro_batch_size} (per data-parallel rank) is not divisible by "
                          f"microbatches={microbatches}; make it a multiple of {microbatches}")
+    skews = [float(moe_skew)] if isinstance(moe_skew, int | float) else [float(x) for x in moe_skew]
+    if len(skews) not in (1, pc.ep) or min(skews) < 0:
+        raise ValueError(f"moe_skew={moe_skew!r}: give one number (the busiest EP rank's received copies over the "
+                         f"mean) or {pc.ep} non-negative ones, one per EP rank")
     bf16 = dtype == "bf16" or pc.mixed_precision == "bf16"
-    shape = UnitBytes(cfg, pc, micro_batch_size // microbatches, seq_len, 2 if bf16 else 4, moe_skew,
-                      flash_attention)
     stages = _stage_units(cfg, pc, units, split_points)
-    per_stage = [[shape.unit(u, mode_of.get(u.layer_id, "none")) for u in stage] for stage in stages]
     ranks_of = _ranks_of_stages(pc)
-    # Pipeline stages autocast each micro-batch's forward on its own (parallel/pp.py), so every in-flight
-    # micro-batch holds its own bf16 weight copies: they count with its activations.
-    acts_per_stage = [sum(m.activations + (m.copies if pc.pp > 1 else 0.0) for m in s) for s in per_stage]
-    inflight = _inflight_bytes(pc, acts_per_stage, shape)
-
-    ranks = [_rank_memory(pc, rank, stage_ids, per_stage, inflight[rank], shape, optimizer_bytes)
-             for rank, stage_ids in enumerate(ranks_of)]
-    return MemoryPlan(ranks, pc.world_size)
+    classes = []  # [pp rank][ep class]
+    for ep_rank, skew in enumerate(skews):
+        shape = UnitBytes(cfg, pc, micro_batch_size // microbatches, seq_len, 2 if bf16 else 4, skew,
+                          flash_attention)
+        per_stage = [[shape.unit(u, mode_of.get(u.layer_id, "none")) for u in stage] for stage in stages]
+        # Pipeline stages autocast each micro-batch's forward on its own (parallel/pp.py), so every in-flight
+        # micro-batch holds its own bf16 weight copies: they count with its activations.
+        acts_per_stage = [sum(m.activations + (m.copies if pc.pp > 1 else 0.0) for m in s) for s in per_stage]
+        inflight = _inflight_bytes(pc, acts_per_stage, shape)
+        ranks = [_rank_memory(pc, rank, stage_ids, per_stage, inflight[rank], shape, optimizer_bytes)
+                 for rank, stage_ids in enumerate(ranks_of)]
+        if len(skews) > 1:
+            for r in ranks:
+                r.name += f" (EP rank {ep_rank})"
+        classes.append(ranks)
+    ranks = [classes[e][p] for p in range(len(ranks_of)) for e in range(len(skews))]
+    return MemoryPlan(ranks, pc.world_size, len(skews), pc.tp)
 
 
 def _rank_memory(pc: ParallelConfig, rank: int, stage_ids: list[int], per_stage: list[list[UnitMemory]],
@@ -159,6 +180,8 @@ def _rank_memory(pc: ParallelConfig, rank: int, stage_ids: list[int], per_stage:
     if step > peak:
         peak, phase = step, "optimizer step"
     name = f"pp rank {rank} (stages {', '.join(map(str, stage_ids))})" if pc.pp > 1 else "every rank"
+    if pc.ep > 1:
+        name += f", EP rank receiving {shape.skew:.2f}× the mean routed copies"
     return RankMemory(name, params, grads, optimizer, activations, copies, max(m.workspace for m in mems), peak,
                       phase)
 
