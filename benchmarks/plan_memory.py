@@ -1,14 +1,17 @@
 """`seekforge plan memory` against a measurement: the predicted peak of live tensor bytes per rank vs
-the peak measured (plan/measure.LiveBytes) during a real training step (train/trainer.Trainer: bf16
-autocast over fp32 master weights, AdamW, chunked cross-entropy; pipeline stages through
-PipelineRunner), on one process and on gloo ranks.
+the peak measured during a real training step (train/trainer.Trainer: bf16 over fp32 master weights,
+train/master.py, on one process, autocast or FSDP2's policy on several; AdamW, chunked cross-entropy;
+pipeline stages through PipelineRunner), on one process and on gloo ranks.
 
-    python benchmarks/plan_memory.py [--cases single-dense,fsdp-moe] [--threads 1]
+    python benchmarks/plan_memory.py [--cases single-dense,fsdp2-moe] [--threads 1]
 
-The second training step is measured (the first creates the AdamW states); the peak counts the
-parameters, optimizer states, gradients and every tensor alive during forward, backward and the
-optimizer step. Prints one row per rank and the relative error; on one device also the traced mode's
-peak (plan/traced.py: the same step on fake tensors; one device and FSDP layouts).
+The second training step is measured (the first creates the AdamW states). The reference is the
+profiler's allocation record (plan/measure.ProfilerLiveBytes: every allocation and free from before
+the model is built; the peak of what is live during the step); LiveBytes (the dispatch-mode count the
+tests use) and, on one device and FSDP layouts, the traced mode's peak (plan/traced.py: the same step
+on fake tensors) are compared with it too. Under expert parallelism the plan is made at balanced
+routing (its bound when routing is unknown) and again at each EP rank's measured received copies over
+the mean ("EP skew", "routed").
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import datetime
 import os
 import sys
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -74,17 +78,18 @@ def train_config(case: Case) -> TrainConfig:
                        parallel=case.parallel, out_dir=tempfile.gettempdir())
 
 
-def measure_rank(case: Case, mesh=None) -> tuple[int, int]:
-    """Build, train one step, then measure the second step's peak live bytes on this rank: (the
-    profiler's allocation record, started before the model is built; LiveBytes)."""
+def measure_rank(case: Case, mesh=None) -> dict:
+    """Build, train one step, then measure the second step on this rank: "profiler", the peak live
+    bytes of the profiler's allocation record (started before the model is built); "live", LiveBytes'
+    peak; "skew", the routed copies this rank's experts received over the mean (expert parallelism)."""
     from seekforge.plan.measure import ProfilerLiveBytes
 
     with ProfilerLiveBytes() as reference:
-        live = _train_and_measure(case, mesh, reference)
-    return reference.peak, live
+        live, skew = _train_and_measure(case, mesh, reference)
+    return {"profiler": reference.peak, "live": live, "skew": skew}
 
 
-def _train_and_measure(case: Case, mesh, reference) -> int:
+def _train_and_measure(case: Case, mesh, reference) -> tuple[int, float]:
     from seekforge.model.model import build_model
     from seekforge.parallel.parallelize import parallelize
     from seekforge.parallel.pp import PipelineRunner
@@ -111,9 +116,31 @@ def _train_and_measure(case: Case, mesh, reference) -> int:
     trainer = Trainer(cfg, model, loader(), mesh=mesh)
     trainer.train_step()
     tracker = LiveBytes(state_tensors(trainer.modules, trainer.optimizers, trainer.master_weights))
-    with reference.window(), tracker:
+    with reference.window(), tracker, _routed_copies(trainer) as copies:
         trainer.train_step()
-    return tracker.peak
+    return tracker.peak, copies[0] / copies[1] if copies[1] else 1.0
+
+
+@contextmanager
+def _routed_copies(trainer):
+    """Yields [copies received, copies sent] by this rank's expert-parallel dispatches (summed over MoE
+    layers), counted while the block runs."""
+    from seekforge.parallel.ep import AllToAllDispatcher
+
+    counts = [0, 0]
+    original = AllToAllDispatcher.dispatch
+
+    def dispatch(self, x, indices, num_experts):
+        received, per_expert, state = original(self, x, indices, num_experts)
+        counts[0] += received.shape[0]
+        counts[1] += indices.numel()
+        return received, per_expert, state
+
+    AllToAllDispatcher.dispatch = dispatch
+    try:
+        yield counts
+    finally:
+        AllToAllDispatcher.dispatch = original
 
 
 def _rank_main(rank: int, world: int, tmp: str, case: Case, out: dict) -> None:
@@ -129,8 +156,8 @@ def _rank_main(rank: int, world: int, tmp: str, case: Case, out: dict) -> None:
     dist.destroy_process_group()
 
 
-def measure(case: Case) -> list[tuple[int, int]]:
-    """Measured peak bytes per rank: (profiler reference, LiveBytes)."""
+def measure(case: Case) -> list[dict]:
+    """Per rank, measure_rank's numbers."""
     pc = ParallelConfig(**case.parallel)
     if pc.world_size == 1:
         return [measure_rank(case)]
@@ -141,10 +168,19 @@ def measure(case: Case) -> list[tuple[int, int]]:
         return [out[r] for r in range(pc.world_size)]
 
 
-def predict(case: Case) -> MemoryPlan:
+def predict(case: Case, moe_skew: float | list[float] = 1.0) -> MemoryPlan:
+    """The plan at balanced routing (every EP rank receiving the mean), or at per-EP-rank skews."""
     cfg = train_config(case)
     return estimate_memory(cfg.model_config(), cfg.parallel_config(), case.micro_batch_size, case.seq_len,
-                           dtype=case.dtype)
+                           dtype=case.dtype, moe_skew=moe_skew)
+
+
+def ep_skews(case: Case, measured: list[dict]) -> list[float] | None:
+    """Each EP rank's received copies over the mean, from the ranks' measurements (None without EP)."""
+    pc = train_config(case).parallel_config()
+    if pc.ep == 1:
+        return None
+    return [measured[e * pc.tp]["skew"] for e in range(pc.ep)]  # global ranks 0..ep·tp-1: the first EP group
 
 
 def main() -> None:
@@ -154,10 +190,10 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     chosen = [c for c in CASES if c.name in args.cases.split(",")]
-    print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, torch {torch.__version__}, small preset "
-          f"(4 layers: 1 dense + 3 MoE, MTP), seq 256; peak live tensor bytes of the 2nd training step")
+    print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, torch {torch.__version__}, small preset; "
+          "peak live bytes of the 2nd training step; errors against the profiler's allocation record")
     print(f"{'case':<22}{'rank':>5}{'predicted MiB':>15}{'profiler MiB':>14}{'error':>8}{'LiveBytes':>11}"
-          f"{'error':>8}{'traced MiB':>12}{'error':>8}")
+          f"{'error':>8}{'traced MiB':>12}{'error':>8}{'EP skew':>9}{'routed':>9}{'error':>8}")
     worst = 0.0
     for case in chosen:
         plan = predict(case)
@@ -167,14 +203,20 @@ def main() -> None:
             cfg = train_config(case)
             traced = traced_peak(cfg.model_config(), case.micro_batch_size, case.seq_len, case.dtype, case.recompute,
                                  pc=pc)
-        for rank, (measured, live) in enumerate(measure(case)):
+        measured = measure(case)
+        skews = ep_skews(case, measured)
+        routed = predict(case, skews) if skews else None
+        for rank, m in enumerate(measured):
+            ref, live = m["profiler"], m["live"]
             predicted = plan.rank_peak(rank)
-            err = predicted / measured - 1
+            err = predicted / ref - 1
             worst = max(worst, abs(err))
-            row = (f"{case.name:<22}{rank:>5}{predicted / 2**20:>15.1f}{measured / 2**20:>14.1f}{err:>+8.1%}"
-                   f"{live / 2**20:>11.1f}{live / measured - 1:>+8.1%}")
-            if traced is not None:
-                row += f"{traced / 2**20:>12.1f}{traced / measured - 1:>+8.1%}"
+            row = (f"{case.name:<22}{rank:>5}{predicted / 2**20:>15.1f}{ref / 2**20:>14.1f}{err:>+8.1%}"
+                   f"{live / 2**20:>11.1f}{live / ref - 1:>+8.1%}")
+            row += f"{traced / 2**20:>12.1f}{traced / ref - 1:>+8.1%}" if traced is not None else " " * 20
+            if routed is not None:
+                at = routed.rank_peak(rank)
+                row += f"{m['skew']:>9.2f}{at / 2**20:>9.1f}{at / ref - 1:>+8.1%}"
             print(row, flush=True)
     print(f"largest |error| of the analytic estimate {worst:.1%}")
 

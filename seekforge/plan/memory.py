@@ -42,6 +42,7 @@ class UnitMemory:
     final_grads: float = 0.0  # gradient bytes alive at the optimizer step outside `persistent`
     head_call: float = 0.0  # MTP: its head call's saved bytes, freed (first) before its block's backward
     head_workspace: float = 0.0  # MTP: the logits' gradient while that head call is backwarded
+    output_grads: float = 0.0  # the matmuls' output gradients a split backward (I, then W) keeps for W
 
 
 @dataclass
@@ -131,7 +132,8 @@ def estimate_memory(cfg: ModelConfig, pc: ParallelConfig, micro_batch_size: int,
         # Pipeline stages autocast each micro-batch's forward on its own (parallel/pp.py), so every in-flight
         # micro-batch holds its own bf16 weight copies: they count with its activations.
         acts_per_stage = [sum(m.activations + (m.copies if pc.pp > 1 else 0.0) for m in s) for s in per_stage]
-        inflight = _inflight_bytes(pc, acts_per_stage, shape)
+        output_grads = [sum(m.output_grads for m in s) for s in per_stage]
+        inflight = _inflight_bytes(pc, acts_per_stage, output_grads, shape)
         ranks = [_rank_memory(pc, rank, stage_ids, per_stage, inflight[rank], shape, optimizer_bytes)
                  for rank, stage_ids in enumerate(ranks_of)]
         if len(skews) > 1:
@@ -172,10 +174,15 @@ def _rank_memory(pc: ParallelConfig, rank: int, stage_ids: list[int], per_stage:
             if live + m.head_workspace > peak:
                 peak, phase = live + m.head_workspace, f"backward of {m.unit.kind} {m.unit.layer_id}'s head call"
             live -= m.head_call
-        during = live + m.workspace + fsdp_gather + m.new_grads  # + this unit's new gradients
+        # + this unit's new gradients; when they accumulate into existing ones, each is added and freed
+        # as it comes: only the largest is ever there at once
+        during = live + m.workspace + fsdp_gather + (shape.largest_grad(m) if accumulating else m.new_grads)
         if during > peak:
             peak, phase = during, f"backward of {m.unit.kind} {m.unit.layer_id}"
-        live += (0.0 if accumulating else m.new_grads) - (m.activations - m.head_call) - m.copies
+        if shape.split_backward:  # the input-gradient half keeps the graph and adds the output gradients
+            live += m.output_grads
+        else:
+            live += (0.0 if accumulating else m.new_grads) - (m.activations - m.head_call) - m.copies
     step = state + sum(m.final_grads for m in mems)  # fused AdamW updates in place
     if step > peak:
         peak, phase = step, "optimizer step"
@@ -216,15 +223,21 @@ def _ranks_of_stages(pc: ParallelConfig) -> list[list[int]]:
     return [[r + k * pc.pp for k in range(pc.stages_per_rank)] for r in range(pc.pp)]
 
 
-def _inflight_bytes(pc: ParallelConfig, acts_per_stage: list[float], shape: UnitBytes) -> list[float]:
+def _inflight_bytes(pc: ParallelConfig, acts_per_stage: list[float], output_grads: list[float],
+                   shape: UnitBytes) -> list[float]:
     """Per pp rank, the peak activation bytes of the micro-batches the schedule keeps in flight; a
-    stage also keeps each in-flight micro-batch's output (its stage cache) until its backward."""
+    stage also keeps each in-flight micro-batch's output (its stage cache) until its backward. Between
+    a split backward's input-gradient (I) and weight-gradient (W) halves a micro-batch keeps its graph
+    and its matmuls' output gradients."""
     if pc.pp == 1:
         return [acts_per_stage[0]]
     kept = [a + shape.stage_output_bytes() for a in acts_per_stage]
     kept[-1] -= shape.stage_output_bytes()  # the last stage's output is the loss
+    held = [a + g for a, g in zip(acts_per_stage, output_grads, strict=True)]
     schedule = pc.pp_schedule if pc.pp_schedule in sched.SIMULATED_SCHEDULES else "1F1B"
-    return sched.simulate_uniform(schedule, pc.pp, pc.microbatches).rank_peak(kept)
+    simulated = sched.simulate_uniform(schedule, pc.pp, pc.microbatches)
+    shape.split_backward = any(e.action.kind == "W" for e in simulated.events)
+    return simulated.rank_peak(kept, held)
 
 
 # ------------------------------------------------------------------------------------------ shapes
@@ -247,6 +260,7 @@ class UnitBytes:
         self.skew = moe_skew if pc.ep > 1 else 1.0
         self.shard = pc.dp_shard  # FSDP shards parameters, gradients and states over dp_shard
         self.gathered_dtype = 2 if pc.mixed_precision == "bf16" else 4
+        self.split_backward = False  # a zero-bubble schedule's I/W split (set by _inflight_bytes)
 
     def stage_output_bytes(self) -> float:
         return 4.0 * self.n * self.cfg.hidden_size  # the fp32 residual stream
@@ -272,6 +286,7 @@ class UnitBytes:
         else:
             mem = self._block(u, params, mode)
         mem.new_grads = mem.final_grads = params
+        mem.output_grads = self.output_grads(u)
         if self.master:
             # train/master.py: a persistent bf16 copy and fp32 main gradient per matmul weight; backward
             # leaves bf16 gradients, added into the main gradients when the pass ends.
@@ -280,6 +295,43 @@ class UnitBytes:
             mem.final_grads = params - matmul
             mem.new_grads = mem.final_grads + matmul / 2
         return mem
+
+    def largest_grad(self, m: UnitMemory) -> float:
+        """The fp32 gradient of a unit's largest parameter: the stacked experts' gate_up (2 of their 3
+        matrices), the embedding or the head, else one of the three matrices of a dense MLP, or the
+        largest attention projection."""
+        u, cfg, tp = m.unit, self.cfg, self.pc.tp
+        if u.kind in ("embed", "head"):
+            return m.params
+        h, nh = cfg.hidden_size, cfg.num_attention_heads / tp
+        attention = max(h * nh * cfg.qk_head_dim if not cfg.q_lora_rank else cfg.q_lora_rank * nh * cfg.qk_head_dim,
+                        cfg.kv_lora_rank * nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), nh * cfg.v_head_dim * h)
+        largest = max(attention, u.dense_params / tp / 3 if not u.expert_params else 0.0, u.expert_params * 2 / 3)
+        return 4.0 * largest / self.shard
+
+    def output_grads(self, u: Unit) -> float:
+        """Bytes of the gradients at a block's matmul outputs. A zero-bubble schedule's input-gradient
+        backward (torch.distributed.pipelining's stage_backward_input) keeps them, with the whole
+        graph (retain_graph), for the weight-gradient step; the head's are its logits' gradient, which
+        replaces the logits the loss saved (counted in its activations)."""
+        if u.kind in ("embed", "head"):
+            return 0.0
+        cfg, n, a, tp = self.cfg, self.n, self.a, self.pc.tp
+        h, nh = cfg.hidden_size, cfg.num_attention_heads / tp
+        q = (cfg.q_lora_rank or 0) + nh * cfg.qk_head_dim
+        kv = cfg.kv_lora_rank + cfg.qk_rope_head_dim + nh * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+        widths = q + kv + h  # + o_proj
+        if u.expert_params:
+            shared = cfg.n_shared_experts * cfg.moe_intermediate_size / tp
+            widths += 2 * shared + h
+            routed = a * n * cfg.num_experts_per_tok * self.skew * (2 * cfg.moe_intermediate_size / tp + h)
+            router = 4.0 * n * cfg.n_routed_experts
+        else:
+            widths += 2 * cfg.intermediate_size / tp + h
+            routed = router = 0.0
+        if u.kind == "mtp":
+            widths += h  # eh_proj
+        return a * n * widths + routed + router
 
     def matmul_params(self, u: Unit) -> float:
         """Elements of train/master.py's matmul parameters (Linear weights, stacked experts) in a unit:
