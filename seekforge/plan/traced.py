@@ -80,6 +80,35 @@ def _balanced_routing():
 
 
 @contextmanager
+def _cpu_autograd_functions():
+    """The model takes its CPU autograd Functions (model/moe.py's _SwiGLU, model/model.py's _RMSNorm)
+    only for plain tensors, `type(x) is torch.Tensor`, which a FakeTensor is not: the trace would take
+    the composite paths, which save more (silu's output, the norm's pieces). Inside the trace the same
+    Functions are taken for fake tensors that need gradients."""
+    from seekforge.model import model as model_module
+    from seekforge.model import moe
+
+    swiglu, norm_forward = moe.swiglu, model_module.RMSNorm.forward
+
+    def traced_swiglu(gate, up=None):
+        if torch.is_grad_enabled() and (gate.requires_grad or (up is not None and up.requires_grad)):
+            return moe._SwiGLU.apply(gate, up)
+        return swiglu(gate, up)
+
+    def traced_norm(self, x):
+        if (x.dtype == self.weight.dtype == torch.float32 and torch.is_grad_enabled()
+                and (x.requires_grad or self.weight.requires_grad)):
+            return model_module._RMSNorm.apply(x, self.weight, self.eps)
+        return norm_forward(self, x)
+
+    moe.swiglu, model_module.RMSNorm.forward = traced_swiglu, traced_norm
+    try:
+        yield
+    finally:
+        moe.swiglu, model_module.RMSNorm.forward = swiglu, norm_forward
+
+
+@contextmanager
 def _fake_process_group(pc: ParallelConfig | None, cfg: ModelConfig):
     """Yields the layout's mesh on a fake process group (None on one device)."""
     if pc is None or pc.world_size == 1:
@@ -113,7 +142,8 @@ def traced_peak(cfg: ModelConfig, micro_batch_size: int, seq_len: int, dtype: st
 
     if dtype not in ("bf16", "fp32"):
         raise ValueError(f"dtype={dtype!r}: use 'bf16' (autocast) or 'fp32'")
-    with _fake_process_group(pc, cfg) as mesh, FakeTensorMode(allow_non_fake_inputs=True), _balanced_routing():
+    with (_fake_process_group(pc, cfg) as mesh, FakeTensorMode(allow_non_fake_inputs=True), _balanced_routing(),
+          _cpu_autograd_functions()):
         model = Transformer(cfg).init_buffers()
         if mesh is not None:
             parallelize(model, pc, mesh)
