@@ -217,7 +217,7 @@ def main() -> None:
             if routed is not None:
                 at = routed.rank_peak(rank)
                 row += f"{m['skew']:>9.2f}{at / 2**20:>9.1f}{at / ref - 1:>+8.1%}"
-            print(row, flush=True)
+            print(row.rstrip(), flush=True)
     print(f"largest |error| of the analytic estimate {worst:.1%}")
 
 
