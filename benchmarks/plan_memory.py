@@ -191,9 +191,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     chosen = [c for c in CASES if c.name in args.cases.split(",")]
     print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, torch {torch.__version__}, small preset; "
-          "peak live bytes of the 2nd training step; errors against the profiler's allocation record")
-    print(f"{'case':<22}{'rank':>5}{'predicted MiB':>15}{'profiler MiB':>14}{'error':>8}{'LiveBytes':>11}"
-          f"{'error':>8}{'traced MiB':>12}{'error':>8}{'EP skew':>9}{'routed':>9}{'error':>8}")
+          "peak live MiB of the 2nd training step, per rank (r0/r1); errors against the profiler's allocation record")
+    print(f"{'case':<21}{'predicted':>14}{'profiler':>14}{'error':>14}{'LiveBytes err':>15}{'traced err':>12}"
+          f"{'EP skew':>11}{'routed err':>14}")
     worst = 0.0
     for case in chosen:
         plan = predict(case)
@@ -206,18 +206,22 @@ def main() -> None:
         measured = measure(case)
         skews = ep_skews(case, measured)
         routed = predict(case, skews) if skews else None
-        for rank, m in enumerate(measured):
-            ref, live = m["profiler"], m["live"]
-            predicted = plan.rank_peak(rank)
-            err = predicted / ref - 1
-            worst = max(worst, abs(err))
-            row = (f"{case.name:<22}{rank:>5}{predicted / 2**20:>15.1f}{ref / 2**20:>14.1f}{err:>+8.1%}"
-                   f"{live / 2**20:>11.1f}{live / ref - 1:>+8.1%}")
-            row += f"{traced / 2**20:>12.1f}{traced / ref - 1:>+8.1%}" if traced is not None else " " * 20
-            if routed is not None:
-                at = routed.rank_peak(rank)
-                row += f"{m['skew']:>9.2f}{at / 2**20:>9.1f}{at / ref - 1:>+8.1%}"
-            print(row.rstrip(), flush=True)
+        refs = [m["profiler"] for m in measured]
+        predicted = [plan.rank_peak(rank) for rank in range(len(measured))]
+        errors = [p / r - 1 for p, r in zip(predicted, refs, strict=True)]
+        worst = max([worst, *map(abs, errors)])
+
+        def joined(values, fmt):
+            return "/".join(format(v, fmt) for v in values)
+
+        row = (f"{case.name:<21}{joined([p / 2**20 for p in predicted], '.1f'):>14}"
+               f"{joined([r / 2**20 for r in refs], '.1f'):>14}{joined(errors, '+.1%'):>14}"
+               f"{joined([m['live'] / r - 1 for m, r in zip(measured, refs, strict=True)], '+.1%'):>15}")
+        row += f"{traced / refs[0] - 1:>+12.1%}" if traced is not None else f"{'-':>12}"
+        if routed is not None:
+            at = [routed.rank_peak(rank) / r - 1 for rank, r in enumerate(refs)]
+            row += f"{joined([m['skew'] for m in measured], '.2f'):>11}{joined(at, '+.1%'):>14}"
+        print(row, flush=True)
     print(f"largest |error| of the analytic estimate {worst:.1%}")
 
 
