@@ -267,12 +267,16 @@ class UnitBytes:
 
     def fsdp_gather(self, mems: list[UnitMemory]) -> float:
         """The largest FSDP group's unsharded weights while it computes, and in its backward its
-        unsharded fp32 gradient until the reduce-scatter leaves the shard."""
+        unsharded fp32 gradient until the reduce-scatter leaves the shard — and the previous group's,
+        whose reduce-scatter is still in flight (FSDP2 overlaps it with this group's backward; gloo
+        copies it on a worker thread, a CUDA stream keeps it until the collective ends). Measured on
+        gloo (benchmarks/plan_memory.py, the profiler's record): 0 to 3 such copies live at the peak,
+        by timing; one is counted."""
         if self.shard == 1 and self.pc.dp_replicate == 1:
             return 0.0
         largest = max((m.unit.attn_params + m.unit.dense_params) / self.pc.tp + m.unit.expert_params / self.pc.ep
                        for m in mems)
-        return largest * (self.gathered_dtype + 4)
+        return largest * (self.gathered_dtype + 4 + 4)
 
     def unit(self, u: Unit, mode: str) -> UnitMemory:
         tp = self.pc.tp
