@@ -89,7 +89,7 @@ class MemoryPlan:
 def estimate_memory(cfg: ModelConfig, pc: ParallelConfig, micro_batch_size: int, seq_len: int,
                     dtype: str = "bf16", optimizer_bytes: int = 4, moe_skew: float | list[float] = 1.0,
                     split_points: list[int] | None = None, recompute: str | list[str] | None = None,
-                    flash_attention: bool = False) -> MemoryPlan:
+                    flash_attention: bool = False, collectives_in_flight: bool = True) -> MemoryPlan:
     """Peak bytes per pipeline rank (and, given per-rank routing, per expert-parallel rank) for one step.
 
     micro_batch_size: sequences per data-parallel rank per step (divided into pc.microbatches under pp);
@@ -101,7 +101,8 @@ def estimate_memory(cfg: ModelConfig, pc: ParallelConfig, micro_batch_size: int,
     per EP rank, e.g. from a run's per-rank token counts) gives each EP rank its own row;
     recompute: overrides pc.recompute (one mode, or one per block: main layers then MTP blocks);
     flash_attention: the CUDA path (SDPA keeps q, k, v, its output and a log-sum-exp per row) rather
-    than the CPU one (MatmulAttention keeps the (T, T) probabilities)."""
+    than the CPU one (MatmulAttention keeps the (T, T) probabilities); collectives_in_flight: False where
+    collectives complete at once (the traced mode's fake process group: no reduce-scatter overlaps)."""
     if dtype not in ("bf16", "fp32"):
         raise ValueError(f"dtype={dtype!r}: use 'bf16' (autocast) or 'fp32'")
     if optimizer_bytes not in (2, 4):
@@ -127,7 +128,7 @@ def estimate_memory(cfg: ModelConfig, pc: ParallelConfig, micro_batch_size: int,
     classes = []  # [pp rank][ep class]
     for ep_rank, skew in enumerate(skews):
         shape = UnitBytes(cfg, pc, micro_batch_size // microbatches, seq_len, 2 if bf16 else 4, skew,
-                          flash_attention)
+                          flash_attention, collectives_in_flight)
         per_stage = [[shape.unit(u, mode_of.get(u.layer_id, "none")) for u in stage] for stage in stages]
         # Pipeline stages autocast each micro-batch's forward on its own (parallel/pp.py), so every in-flight
         # micro-batch holds its own bf16 weight copies: they count with its activations.
@@ -245,9 +246,10 @@ class UnitBytes:
     """Bytes of one micro-batch's tensors for each unit kind (see the module docstring)."""
 
     def __init__(self, cfg: ModelConfig, pc: ParallelConfig, batch: int, seq_len: int, act_bytes: int,
-                 moe_skew: float, flash_attention: bool = False):
+                 moe_skew: float, flash_attention: bool = False, collectives_in_flight: bool = True):
         self.cfg, self.pc, self.b, self.t, self.a = cfg, pc, batch, seq_len, act_bytes
         self.flash = flash_attention
+        self.in_flight = collectives_in_flight
         self.n = batch * seq_len
         self.autocast = act_bytes == 2
         # Autocast keeps a bf16 copy of each fp32 weight from forward to backward; FSDP's bf16
@@ -276,7 +278,7 @@ class UnitBytes:
             return 0.0
         largest = max((m.unit.attn_params + m.unit.dense_params) / self.pc.tp + m.unit.expert_params / self.pc.ep
                        for m in mems)
-        return largest * (self.gathered_dtype + 4 + 4)
+        return largest * (self.gathered_dtype + 4 + (4 if self.in_flight else 0))
 
     def unit(self, u: Unit, mode: str) -> UnitMemory:
         tp = self.pc.tp
