@@ -4,19 +4,29 @@ Symbols: B micro-batch, T sequence, N = B·T tokens, H hidden, nh heads, V vocab
 sizes, E routed experts, K experts per token, S = N·K routed copies (× skew on an expert-parallel
 receiver), a = 2 under bf16 autocast, 4 in fp32.
 
-What a step keeps (train/trainer.py, model/*.py, parallel/*.py; tests/plan/test_memory.py measures it):
+What a step keeps (train/trainer.py, train/master.py, model/*.py, parallel/*.py; checked against the
+profiler's allocation record by benchmarks/plan_memory.py, against LiveBytes by tests/plan/test_memory.py):
   state      fp32 parameters + AdamW's two moments (optimizer_bytes each) — shards of them under FSDP;
-  grads      fp32, appear layer by layer in backward, then live until the optimizer step;
+             bf16 on one process adds train/master.py's persistent bf16 copy and fp32 main gradient of
+             every matmul weight (alive all step, between steps too);
+  grads      fp32, appear layer by layer in backward, then live until the optimizer step (under master
+             weights bf16, added into the main gradients when the pass ends); accumulated over
+             micro-batches, each new one exists only until it is added;
   copies     bf16 autocast copies of every matmul weight (autocast caches a leaf weight's cast for
              the whole forward and the backward keeps it; MoE casts its stacked expert weights once
              per layer) — full, unsharded weights even under FSDP, from forward until that unit's
-             backward;
-  activations what autograd saves, per unit (`_block_saved`), freed by that unit's backward; with
-             pipelining, as many micro-batches as the schedule keeps in flight (plan/schedule.py);
+             backward; none under master weights (the weights are bf16 already);
+  activations what autograd saves, per unit (`_block`), freed by that unit's backward (an MTP module's
+             head call first); with pipelining, as many micro-batches as the schedule keeps in flight
+             (plan/schedule.py), and a zero-bubble schedule's I/W split keeps a micro-batch's graph
+             and its matmuls' output gradients from I until W;
   workspace  the largest transient of one unit's backward (gradients of its widest tensors) and,
-             under FSDP, the gathered weights and the unsharded gradient of the group being computed.
+             under FSDP, the gathered weights and the unsharded gradients of the group being computed
+             and of the one whose reduce-scatter is in flight.
 The peak is the largest of: end of forward, any point of the backward sweep (units backward in
 reverse order, each freeing its activations and copies and adding its gradients), the optimizer step.
+Ranks differ by pipeline stage (one row per pp rank) and, given per-rank routing, by expert-parallel
+rank (`moe_skew` per EP rank); one `moe_skew` plans every EP rank as the busiest.
 """
 
 from __future__ import annotations
