@@ -1,14 +1,17 @@
 """`seekforge plan memory` against a measurement: the predicted peak of live tensor bytes per rank vs
-the peak measured (plan/measure.LiveBytes) during a real training step (train/trainer.Trainer: bf16
-autocast over fp32 master weights, AdamW, chunked cross-entropy; pipeline stages through
-PipelineRunner), on one process and on gloo ranks.
+the peak measured during a real training step (train/trainer.Trainer: bf16 over fp32 master weights,
+train/master.py, on one process, autocast or FSDP2's policy on several; AdamW, chunked cross-entropy;
+pipeline stages through PipelineRunner), on one process and on gloo ranks.
 
-    python benchmarks/plan_memory.py [--cases single-dense,fsdp-moe] [--threads 1]
+    python benchmarks/plan_memory.py [--cases single-dense,fsdp2-moe] [--threads 1]
 
-The second training step is measured (the first creates the AdamW states); the peak counts the
-parameters, optimizer states, gradients and every tensor alive during forward, backward and the
-optimizer step. Prints one row per rank and the relative error; on one device also the traced mode's
-peak (plan/traced.py: the same step on fake tensors; one device and FSDP layouts).
+The second training step is measured (the first creates the AdamW states). The reference is the
+profiler's allocation record (plan/measure.ProfilerLiveBytes: every allocation and free from before
+the model is built; the peak of what is live during the step); LiveBytes (the dispatch-mode count the
+tests use) and, on one device and FSDP layouts, the traced mode's peak (plan/traced.py: the same step
+on fake tensors) are compared with it too. Under expert parallelism the plan is made at balanced
+routing (its bound when routing is unknown) and again at each EP rank's measured received copies over
+the mean ("EP skew", "routed").
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import datetime
 import os
 import sys
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,6 +49,10 @@ class Case:
 
 
 SMALL4 = dict(num_hidden_layers=4)  # small preset: 1 dense + 3 MoE layers, MTP
+# Issue 44's config, which no test uses: no q_lora, narrower, fewer experts, 1 dense + 2 MoE layers, MTP.
+ISSUE44 = dict(num_hidden_layers=3, hidden_size=320, n_routed_experts=8, num_experts_per_tok=2, kv_lora_rank=96,
+               q_lora_rank=None)
+I44 = dict(seq_len=384, micro_batch_size=3)
 CASES = [
     Case("single-dense", dict(num_hidden_layers=4, n_routed_experts=0, first_k_dense_replace=4)),
     Case("single-moe", SMALL4),
@@ -55,6 +63,12 @@ CASES = [
     Case("fsdp2-ep2-moe-full", SMALL4, dict(dp_shard=2, ep=2), recompute="full", micro_batch_size=4),
     Case("pp2-1f1b", SMALL4, dict(pp=2, pp_schedule="1F1B", microbatches=4)),
     Case("pp2-zbv", SMALL4, dict(pp=2, pp_schedule="ZBVZeroBubble", microbatches=4)),
+    Case("i44-bf16", ISSUE44, **I44),
+    Case("i44-bf16-full", ISSUE44, recompute="full", **I44),
+    Case("i44-bf16-selective", ISSUE44, recompute="selective", **I44),
+    Case("i44-fp32", ISSUE44, dtype="fp32", **I44),
+    Case("i44-fsdp2-ep2-fp32", ISSUE44, dict(dp_shard=2, ep=2), dtype="fp32", **I44),
+    Case("i44-pp2-1f1b", ISSUE44, dict(pp=2, pp_schedule="1F1B", microbatches=3), **I44),
 ]
 
 
@@ -64,8 +78,18 @@ def train_config(case: Case) -> TrainConfig:
                        parallel=case.parallel, out_dir=tempfile.gettempdir())
 
 
-def measure_rank(case: Case, mesh=None) -> int:
-    """Build, train one step, then measure the second step's peak live bytes on this rank."""
+def measure_rank(case: Case, mesh=None) -> dict:
+    """Build, train one step, then measure the second step on this rank: "profiler", the peak live
+    bytes of the profiler's allocation record (started before the model is built); "live", LiveBytes'
+    peak; "skew", the routed copies this rank's experts received over the mean (expert parallelism)."""
+    from seekforge.plan.measure import ProfilerLiveBytes
+
+    with ProfilerLiveBytes() as reference:
+        live, skew = _train_and_measure(case, mesh, reference)
+    return {"profiler": reference.peak, "live": live, "skew": skew}
+
+
+def _train_and_measure(case: Case, mesh, reference) -> tuple[int, float]:
     from seekforge.model.model import build_model
     from seekforge.parallel.parallelize import parallelize
     from seekforge.parallel.pp import PipelineRunner
@@ -91,10 +115,32 @@ def measure_rank(case: Case, mesh=None) -> int:
 
     trainer = Trainer(cfg, model, loader(), mesh=mesh)
     trainer.train_step()
-    tracker = LiveBytes(state_tensors(trainer.modules, trainer.optimizers))
-    with tracker:
+    tracker = LiveBytes(state_tensors(trainer.modules, trainer.optimizers, trainer.master_weights))
+    with reference.window(), tracker, _routed_copies(trainer) as copies:
         trainer.train_step()
-    return tracker.peak
+    return tracker.peak, copies[0] / copies[1] if copies[1] else 1.0
+
+
+@contextmanager
+def _routed_copies(trainer):
+    """Yields [copies received, copies sent] by this rank's expert-parallel dispatches (summed over MoE
+    layers), counted while the block runs."""
+    from seekforge.parallel.ep import AllToAllDispatcher
+
+    counts = [0, 0]
+    original = AllToAllDispatcher.dispatch
+
+    def dispatch(self, x, indices, num_experts):
+        received, per_expert, state = original(self, x, indices, num_experts)
+        counts[0] += received.shape[0]
+        counts[1] += indices.numel()
+        return received, per_expert, state
+
+    AllToAllDispatcher.dispatch = dispatch
+    try:
+        yield counts
+    finally:
+        AllToAllDispatcher.dispatch = original
 
 
 def _rank_main(rank: int, world: int, tmp: str, case: Case, out: dict) -> None:
@@ -110,8 +156,8 @@ def _rank_main(rank: int, world: int, tmp: str, case: Case, out: dict) -> None:
     dist.destroy_process_group()
 
 
-def measure(case: Case) -> list[int]:
-    """Measured peak bytes per rank."""
+def measure(case: Case) -> list[dict]:
+    """Per rank, measure_rank's numbers."""
     pc = ParallelConfig(**case.parallel)
     if pc.world_size == 1:
         return [measure_rank(case)]
@@ -122,10 +168,19 @@ def measure(case: Case) -> list[int]:
         return [out[r] for r in range(pc.world_size)]
 
 
-def predict(case: Case) -> MemoryPlan:
+def predict(case: Case, moe_skew: float | list[float] = 1.0) -> MemoryPlan:
+    """The plan at balanced routing (every EP rank receiving the mean), or at per-EP-rank skews."""
     cfg = train_config(case)
     return estimate_memory(cfg.model_config(), cfg.parallel_config(), case.micro_batch_size, case.seq_len,
-                           dtype=case.dtype)
+                           dtype=case.dtype, moe_skew=moe_skew)
+
+
+def ep_skews(case: Case, measured: list[dict]) -> list[float] | None:
+    """Each EP rank's received copies over the mean, from the ranks' measurements (None without EP)."""
+    pc = train_config(case).parallel_config()
+    if pc.ep == 1:
+        return None
+    return [measured[e * pc.tp]["skew"] for e in range(pc.ep)]  # global ranks 0..ep·tp-1: the first EP group
 
 
 def main() -> None:
@@ -135,10 +190,10 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     chosen = [c for c in CASES if c.name in args.cases.split(",")]
-    print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, torch {torch.__version__}, small preset "
-          f"(4 layers: 1 dense + 3 MoE, MTP), seq 256; peak live tensor bytes of the 2nd training step")
-    print(f"{'case':<22}{'rank':>5}{'predicted MiB':>15}{'measured MiB':>14}{'error':>8}{'traced MiB':>12}"
-          f"{'error':>8}")
+    print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, torch {torch.__version__}, small preset; "
+          "peak live MiB of the 2nd training step, per rank (r0/r1); errors against the profiler's allocation record")
+    print(f"{'case':<21}{'predicted':>14}{'profiler':>14}{'error':>14}{'LiveBytes err':>15}{'traced err':>12}"
+          f"{'EP skew':>11}{'routed err':>14}")
     worst = 0.0
     for case in chosen:
         plan = predict(case)
@@ -148,14 +203,25 @@ def main() -> None:
             cfg = train_config(case)
             traced = traced_peak(cfg.model_config(), case.micro_batch_size, case.seq_len, case.dtype, case.recompute,
                                  pc=pc)
-        for rank, measured in enumerate(measure(case)):
-            predicted = plan.rank_peak(rank)
-            err = predicted / measured - 1
-            worst = max(worst, abs(err))
-            row = f"{case.name:<22}{rank:>5}{predicted / 2**20:>15.1f}{measured / 2**20:>14.1f}{err:>+8.1%}"
-            if traced is not None:
-                row += f"{traced / 2**20:>12.1f}{traced / measured - 1:>+8.1%}"
-            print(row, flush=True)
+        measured = measure(case)
+        skews = ep_skews(case, measured)
+        routed = predict(case, skews) if skews else None
+        refs = [m["profiler"] for m in measured]
+        predicted = [plan.rank_peak(rank) for rank in range(len(measured))]
+        errors = [p / r - 1 for p, r in zip(predicted, refs, strict=True)]
+        worst = max([worst, *map(abs, errors)])
+
+        def joined(values, fmt):
+            return "/".join(format(v, fmt) for v in values)
+
+        row = (f"{case.name:<21}{joined([p / 2**20 for p in predicted], '.1f'):>14}"
+               f"{joined([r / 2**20 for r in refs], '.1f'):>14}{joined(errors, '+.1%'):>14}"
+               f"{joined([m['live'] / r - 1 for m, r in zip(measured, refs, strict=True)], '+.1%'):>15}")
+        row += f"{traced / refs[0] - 1:>+12.1%}" if traced is not None else f"{'-':>12}"
+        if routed is not None:
+            at = [routed.rank_peak(rank) / r - 1 for rank, r in enumerate(refs)]
+            row += f"{joined([m['skew'] for m in measured], '.2f'):>11}{joined(at, '+.1%'):>14}"
+        print(row, flush=True)
     print(f"largest |error| of the analytic estimate {worst:.1%}")
 
 

@@ -5,13 +5,21 @@ once (views share it) and uncounts it when the storage dies (a weak reference's 
 CPU it measures what a GPU allocator would hold, minus the allocator's rounding and caching. FSDP
 frees and re-gathers parameters by resizing storages in place; those resizes are counted too.
 
-This is the oracle the analytic estimates of plan/memory.py are checked against.
+The state a step starts with is passed in (`state_tensors`): parameters, gradients, optimizer states
+and, on one process in bf16, train/master.py's persistent bf16 compute copies and fp32 main gradients,
+which no operator returns while the step runs (they are written in place) but which are live all along.
+
+`ProfilerLiveBytes` is the reference both are checked against: torch.profiler's allocation record
+(every allocation and free of the CPU allocator, started before the model is built), summed in order,
+its peak taken inside a marked window (one training step). It sees what no dispatch mode can (storages
+made outside any operator); LiveBytes is the cheap, FakeTensor-capable version of the same count.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable
+from contextlib import contextmanager
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -89,14 +97,20 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
+        # Inputs too: a storage made outside any operator (a collective's C++ buffer, a tensor built
+        # before the mode was entered and not passed in) counts from the first op that reads it.
+        for t in tree_flatten((out, args, kwargs))[0]:
             self._track(t)
         return out
 
 
-def state_tensors(modules, optimizers) -> list[torch.Tensor]:
-    """Parameters, buffers, gradients and optimizer states: what exists before a step starts."""
+def state_tensors(modules, optimizers, master_weights=None) -> list[torch.Tensor]:
+    """Parameters, buffers, gradients and optimizer states: what exists before a step starts; with
+    `master_weights` (train/master.MasterWeights) also its bf16 compute copies and fp32 main gradients
+    (kept between steps while `p.grad` is None)."""
     tensors = []
+    if master_weights is not None:
+        tensors += list(master_weights.compute_copies) + [g for g in master_weights.main_grads if g is not None]
     for m in modules:
         tensors += [p for p in m.parameters()] + [p.grad for p in m.parameters() if p.grad is not None]
         tensors += list(m.buffers())
@@ -104,3 +118,42 @@ def state_tensors(modules, optimizers) -> list[torch.Tensor]:
         for state in opt.state.values():
             tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
     return tensors
+
+
+class ProfilerLiveBytes:
+    """The allocation record's live bytes: `with ProfilerLiveBytes() as ref:` around everything (from
+    before the model is built), `with ref.window():` around what is measured; after the outer block,
+    `ref.peak` is the most bytes allocated and not yet freed at any point inside the window(s), counting
+    everything allocated since the profiler started. CPU allocations (the CPU allocator's record)."""
+
+    WINDOW = "plan.measure.window"
+
+    def __init__(self):
+        self.peak = 0
+        self._prof = None
+
+    def __enter__(self):
+        from torch.profiler import ProfilerActivity, profile
+
+        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._prof.__enter__()
+        return self
+
+    @contextmanager
+    def window(self):
+        with torch.profiler.record_function(self.WINDOW):
+            yield
+
+    def __exit__(self, *args):
+        self._prof.__exit__(*args)
+        events = self._prof.profiler.kineto_results.events()
+        windows = [(e.start_ns(), e.end_ns()) for e in events if e.name() == self.WINDOW]
+        if not windows:
+            raise ValueError("no window was marked: wrap the measured code in `with ref.window():`")
+        memory = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+        live = 0
+        for t, nbytes in memory:
+            live += nbytes
+            if any(a <= t <= b for a, b in windows):
+                self.peak = max(self.peak, live)
+        return False

@@ -4,19 +4,29 @@ Symbols: B micro-batch, T sequence, N = B·T tokens, H hidden, nh heads, V vocab
 sizes, E routed experts, K experts per token, S = N·K routed copies (× skew on an expert-parallel
 receiver), a = 2 under bf16 autocast, 4 in fp32.
 
-What a step keeps (train/trainer.py, model/*.py, parallel/*.py; tests/plan/test_memory.py measures it):
+What a step keeps (train/trainer.py, train/master.py, model/*.py, parallel/*.py; checked against the
+profiler's allocation record by benchmarks/plan_memory.py, against LiveBytes by tests/plan/test_memory.py):
   state      fp32 parameters + AdamW's two moments (optimizer_bytes each) — shards of them under FSDP;
-  grads      fp32, appear layer by layer in backward, then live until the optimizer step;
+             bf16 on one process adds train/master.py's persistent bf16 copy and fp32 main gradient of
+             every matmul weight (alive all step, between steps too);
+  grads      fp32, appear layer by layer in backward, then live until the optimizer step (under master
+             weights bf16, added into the main gradients when the pass ends); accumulated over
+             micro-batches, each new one exists only until it is added;
   copies     bf16 autocast copies of every matmul weight (autocast caches a leaf weight's cast for
              the whole forward and the backward keeps it; MoE casts its stacked expert weights once
              per layer) — full, unsharded weights even under FSDP, from forward until that unit's
-             backward;
-  activations what autograd saves, per unit (`_block_saved`), freed by that unit's backward; with
-             pipelining, as many micro-batches as the schedule keeps in flight (plan/schedule.py);
+             backward; none under master weights (the weights are bf16 already);
+  activations what autograd saves, per unit (`_block`), freed by that unit's backward (an MTP module's
+             head call first); with pipelining, as many micro-batches as the schedule keeps in flight
+             (plan/schedule.py), and a zero-bubble schedule's I/W split keeps a micro-batch's graph
+             and its matmuls' output gradients from I until W;
   workspace  the largest transient of one unit's backward (gradients of its widest tensors) and,
-             under FSDP, the gathered weights and the unsharded gradient of the group being computed.
+             under FSDP, the gathered weights and the unsharded gradients of the group being computed
+             and of the one whose reduce-scatter is in flight.
 The peak is the largest of: end of forward, any point of the backward sweep (units backward in
 reverse order, each freeing its activations and copies and adding its gradients), the optimizer step.
+Ranks differ by pipeline stage (one row per pp rank) and, given per-rank routing, by expert-parallel
+rank (`moe_skew` per EP rank); one `moe_skew` plans every EP rank as the busiest.
 """
 
 from __future__ import annotations
@@ -37,6 +47,12 @@ class UnitMemory:
     activations: float  # bytes saved for backward, per micro-batch
     copies: float  # bf16 weight copies kept from forward to backward, per micro-batch pass
     workspace: float  # transient peak of this unit's backward
+    new_grads: float = 0.0  # gradient bytes this unit's backward creates (fp32, or bf16 under master weights)
+    persistent: float = 0.0  # train/master.py's bf16 compute copies and fp32 main gradients, alive all step
+    final_grads: float = 0.0  # gradient bytes alive at the optimizer step outside `persistent`
+    head_call: float = 0.0  # MTP: its head call's saved bytes, freed (first) before its block's backward
+    head_workspace: float = 0.0  # MTP: the logits' gradient while that head call is backwarded
+    output_grads: float = 0.0  # the matmuls' output gradients a split backward (I, then W) keeps for W
 
 
 @dataclass
@@ -61,30 +77,42 @@ class RankMemory:
 
 @dataclass
 class MemoryPlan:
-    ranks: list[RankMemory]  # one per pipeline rank
+    ranks: list[RankMemory]  # per pipeline rank, per expert-parallel class (pp-major)
     world_size: int
+    ep_classes: int = 1  # 1: every EP rank alike (planned as the busiest); else one class per EP rank
+    tp: int = 1
 
     @property
     def peak(self) -> float:
         return max(r.peak for r in self.ranks)
 
+    def rank_of(self, global_rank: int) -> RankMemory:
+        """pp is the outermost mesh dimension and ep the one inside tp's (parallel/mesh.py)."""
+        pp_rank = global_rank // (self.world_size // (len(self.ranks) // self.ep_classes))
+        ep_rank = (global_rank // self.tp) % self.ep_classes
+        return self.ranks[pp_rank * self.ep_classes + ep_rank]
+
     def rank_peak(self, global_rank: int) -> float:
-        """pp is the outermost mesh dimension (parallel/mesh.py): global ranks are pp-major."""
-        return self.ranks[global_rank // (self.world_size // len(self.ranks))].peak
+        return self.rank_of(global_rank).peak
 
 
 def estimate_memory(cfg: ModelConfig, pc: ParallelConfig, micro_batch_size: int, seq_len: int,
-                    dtype: str = "bf16", optimizer_bytes: int = 4, moe_skew: float = 1.0,
+                    dtype: str = "bf16", optimizer_bytes: int = 4, moe_skew: float | list[float] = 1.0,
                     split_points: list[int] | None = None, recompute: str | list[str] | None = None,
-                    flash_attention: bool = False) -> MemoryPlan:
-    """Peak bytes per pipeline rank for one training step.
+                    flash_attention: bool = False, collectives_in_flight: bool = True) -> MemoryPlan:
+    """Peak bytes per pipeline rank (and, given per-rank routing, per expert-parallel rank) for one step.
 
     micro_batch_size: sequences per data-parallel rank per step (divided into pc.microbatches under pp);
     dtype: "bf16" (autocast over fp32 master weights) or "fp32"; optimizer_bytes: 4 (fp32 AdamW
-    moments) or 2 (bf16); moe_skew: the busiest expert-parallel rank's received copies over the mean;
+    moments) or 2 (bf16); moe_skew: the routed copies an expert-parallel rank receives over the mean.
+    The plan cannot know the routing (EP ranks hold equal expert counts: config/parallel.py requires ep
+    to divide E, so the token copies they receive are all that differs): one number plans every EP rank
+    as the busiest (an upper bound for the others; 1.0 is balanced routing), a list of ep numbers (one
+    per EP rank, e.g. from a run's per-rank token counts) gives each EP rank its own row;
     recompute: overrides pc.recompute (one mode, or one per block: main layers then MTP blocks);
     flash_attention: the CUDA path (SDPA keeps q, k, v, its output and a log-sum-exp per row) rather
-    than the CPU one (MatmulAttention keeps the (T, T) probabilities)."""
+    than the CPU one (MatmulAttention keeps the (T, T) probabilities); collectives_in_flight: False where
+    collectives complete at once (the traced mode's fake process group: no reduce-scatter overlaps)."""
     if dtype not in ("bf16", "fp32"):
         raise ValueError(f"dtype={dtype!r}: use 'bf16' (autocast) or 'fp32'")
     if optimizer_bytes not in (2, 4):
@@ -100,20 +128,31 @@ def estimate_memory(cfg: ModelConfig, pc: ParallelConfig, micro_batch_size: int,
     if micro_batch_size % microbatches:
         raise ValueError(f"micro_batch_size={micro_batch_size} (per data-parallel rank) is not divisible by "
                          f"microbatches={microbatches}; make it a multiple of {microbatches}")
+    skews = [float(moe_skew)] if isinstance(moe_skew, int | float) else [float(x) for x in moe_skew]
+    if len(skews) not in (1, pc.ep) or min(skews) < 0:
+        raise ValueError(f"moe_skew={moe_skew!r}: give one number (the busiest EP rank's received copies over the "
+                         f"mean) or {pc.ep} non-negative ones, one per EP rank")
     bf16 = dtype == "bf16" or pc.mixed_precision == "bf16"
-    shape = UnitBytes(cfg, pc, micro_batch_size // microbatches, seq_len, 2 if bf16 else 4, moe_skew,
-                      flash_attention)
     stages = _stage_units(cfg, pc, units, split_points)
-    per_stage = [[shape.unit(u, mode_of.get(u.layer_id, "none")) for u in stage] for stage in stages]
     ranks_of = _ranks_of_stages(pc)
-    # Pipeline stages autocast each micro-batch's forward on its own (parallel/pp.py), so every in-flight
-    # micro-batch holds its own bf16 weight copies: they count with its activations.
-    acts_per_stage = [sum(m.activations + (m.copies if pc.pp > 1 else 0.0) for m in s) for s in per_stage]
-    inflight = _inflight_bytes(pc, acts_per_stage, shape)
-
-    ranks = [_rank_memory(pc, rank, stage_ids, per_stage, inflight[rank], shape, optimizer_bytes)
-             for rank, stage_ids in enumerate(ranks_of)]
-    return MemoryPlan(ranks, pc.world_size)
+    classes = []  # [pp rank][ep class]
+    for ep_rank, skew in enumerate(skews):
+        shape = UnitBytes(cfg, pc, micro_batch_size // microbatches, seq_len, 2 if bf16 else 4, skew,
+                          flash_attention, collectives_in_flight)
+        per_stage = [[shape.unit(u, mode_of.get(u.layer_id, "none")) for u in stage] for stage in stages]
+        # Pipeline stages autocast each micro-batch's forward on its own (parallel/pp.py), so every in-flight
+        # micro-batch holds its own bf16 weight copies: they count with its activations.
+        acts_per_stage = [sum(m.activations + (m.copies if pc.pp > 1 else 0.0) for m in s) for s in per_stage]
+        output_grads = [sum(m.output_grads for m in s) for s in per_stage]
+        inflight = _inflight_bytes(pc, acts_per_stage, output_grads, shape)
+        ranks = [_rank_memory(pc, rank, stage_ids, per_stage, inflight[rank], shape, optimizer_bytes)
+                 for rank, stage_ids in enumerate(ranks_of)]
+        if len(skews) > 1:
+            for r in ranks:
+                r.name += f" (EP rank {ep_rank})"
+        classes.append(ranks)
+    ranks = [classes[e][p] for p in range(len(ranks_of)) for e in range(len(skews))]
+    return MemoryPlan(ranks, pc.world_size, len(skews), pc.tp)
 
 
 def _rank_memory(pc: ParallelConfig, rank: int, stage_ids: list[int], per_stage: list[list[UnitMemory]],
@@ -122,10 +161,11 @@ def _rank_memory(pc: ParallelConfig, rank: int, stage_ids: list[int], per_stage:
     and the optimizer step."""
     mems = [m for s in stage_ids for m in per_stage[s]]
     params = sum(m.params for m in mems)
-    grads = params  # fp32 gradients of this rank's (sharded) parameters
+    grads = params  # fp32 gradients of this rank's (sharded) parameters (main gradients under master weights)
     optimizer = params / 4 * 2 * optimizer_bytes
-    state = params + optimizer
-    copies = sum(m.copies for m in mems)
+    persistent = sum(m.persistent for m in mems)
+    state = params + optimizer + persistent
+    copies = sum(m.copies for m in mems) + sum(m.persistent for m in mems) / 3  # the bf16 third of persistent
     fsdp_gather = shape.fsdp_gather(mems)
     if pc.pp > 1:
         # The other in-flight micro-batches stay while one is backwarded through one of this
@@ -141,14 +181,25 @@ def _rank_memory(pc: ParallelConfig, rank: int, stage_ids: list[int], per_stage:
     end_of_forward = base + sum(m.activations + m.copies for m in swept)
     peak, phase, live = end_of_forward, "end of forward", end_of_forward
     for m in reversed(swept):  # the backward sweep, last unit first
-        during = live + m.workspace + fsdp_gather + m.params  # + this unit's new gradients
+        if m.head_call:  # an MTP module's head call first, then its block
+            if live + m.head_workspace > peak:
+                peak, phase = live + m.head_workspace, f"backward of {m.unit.kind} {m.unit.layer_id}'s head call"
+            live -= m.head_call
+        # + this unit's new gradients; when they accumulate into existing ones, each is added and freed
+        # as it comes: only the largest is ever there at once
+        during = live + m.workspace + fsdp_gather + (shape.largest_grad(m) if accumulating else m.new_grads)
         if during > peak:
             peak, phase = during, f"backward of {m.unit.kind} {m.unit.layer_id}"
-        live += (0.0 if accumulating else m.params) - m.activations - m.copies
-    step = state + grads  # fused AdamW updates in place
+        if shape.split_backward:  # the input-gradient half keeps the graph and adds the output gradients
+            live += m.output_grads
+        else:
+            live += (0.0 if accumulating else m.new_grads) - (m.activations - m.head_call) - m.copies
+    step = state + sum(m.final_grads for m in mems)  # fused AdamW updates in place
     if step > peak:
         peak, phase = step, "optimizer step"
     name = f"pp rank {rank} (stages {', '.join(map(str, stage_ids))})" if pc.pp > 1 else "every rank"
+    if pc.ep > 1:
+        name += f", EP rank receiving {shape.skew:.2f}× the mean routed copies"
     return RankMemory(name, params, grads, optimizer, activations, copies, max(m.workspace for m in mems), peak,
                       phase)
 
@@ -183,15 +234,21 @@ def _ranks_of_stages(pc: ParallelConfig) -> list[list[int]]:
     return [[r + k * pc.pp for k in range(pc.stages_per_rank)] for r in range(pc.pp)]
 
 
-def _inflight_bytes(pc: ParallelConfig, acts_per_stage: list[float], shape: UnitBytes) -> list[float]:
+def _inflight_bytes(pc: ParallelConfig, acts_per_stage: list[float], output_grads: list[float],
+                   shape: UnitBytes) -> list[float]:
     """Per pp rank, the peak activation bytes of the micro-batches the schedule keeps in flight; a
-    stage also keeps each in-flight micro-batch's output (its stage cache) until its backward."""
+    stage also keeps each in-flight micro-batch's output (its stage cache) until its backward. Between
+    a split backward's input-gradient (I) and weight-gradient (W) halves a micro-batch keeps its graph
+    and its matmuls' output gradients."""
     if pc.pp == 1:
         return [acts_per_stage[0]]
     kept = [a + shape.stage_output_bytes() for a in acts_per_stage]
     kept[-1] -= shape.stage_output_bytes()  # the last stage's output is the loss
+    held = [a + g for a, g in zip(acts_per_stage, output_grads, strict=True)]
     schedule = pc.pp_schedule if pc.pp_schedule in sched.SIMULATED_SCHEDULES else "1F1B"
-    return sched.simulate_uniform(schedule, pc.pp, pc.microbatches).rank_peak(kept)
+    simulated = sched.simulate_uniform(schedule, pc.pp, pc.microbatches)
+    shape.split_backward = any(e.action.kind == "W" for e in simulated.events)
+    return simulated.rank_peak(kept, held)
 
 
 # ------------------------------------------------------------------------------------------ shapes
@@ -199,30 +256,39 @@ class UnitBytes:
     """Bytes of one micro-batch's tensors for each unit kind (see the module docstring)."""
 
     def __init__(self, cfg: ModelConfig, pc: ParallelConfig, batch: int, seq_len: int, act_bytes: int,
-                 moe_skew: float, flash_attention: bool = False):
+                 moe_skew: float, flash_attention: bool = False, collectives_in_flight: bool = True):
         self.cfg, self.pc, self.b, self.t, self.a = cfg, pc, batch, seq_len, act_bytes
         self.flash = flash_attention
+        self.in_flight = collectives_in_flight
         self.n = batch * seq_len
         self.autocast = act_bytes == 2
         # Autocast keeps a bf16 copy of each fp32 weight from forward to backward; FSDP's bf16
         # mixed precision computes on bf16 weights it gathers and frees again (storage resize), so
         # nothing stays (parallel/fsdp.py).
-        self.keeps_copies = self.autocast and pc.mixed_precision == "fp32"
+        # One process in bf16 (no runner, no DTensor): train/master.py's persistent bf16 weights instead
+        # of autocast's per-forward casts.
+        self.master = self.autocast and pc.world_size == 1
+        self.keeps_copies = self.autocast and pc.mixed_precision == "fp32" and not self.master
         self.skew = moe_skew if pc.ep > 1 else 1.0
         self.shard = pc.dp_shard  # FSDP shards parameters, gradients and states over dp_shard
         self.gathered_dtype = 2 if pc.mixed_precision == "bf16" else 4
+        self.split_backward = False  # a zero-bubble schedule's I/W split (set by _inflight_bytes)
 
     def stage_output_bytes(self) -> float:
         return 4.0 * self.n * self.cfg.hidden_size  # the fp32 residual stream
 
     def fsdp_gather(self, mems: list[UnitMemory]) -> float:
         """The largest FSDP group's unsharded weights while it computes, and in its backward its
-        unsharded fp32 gradient until the reduce-scatter leaves the shard."""
+        unsharded fp32 gradient until the reduce-scatter leaves the shard — and the previous group's,
+        whose reduce-scatter is still in flight (FSDP2 overlaps it with this group's backward; gloo
+        copies it on a worker thread, a CUDA stream keeps it until the collective ends). Measured on
+        gloo (benchmarks/plan_memory.py, the profiler's record): 0 to 3 such copies live at the peak,
+        by timing; one is counted."""
         if self.shard == 1 and self.pc.dp_replicate == 1:
             return 0.0
         largest = max((m.unit.attn_params + m.unit.dense_params) / self.pc.tp + m.unit.expert_params / self.pc.ep
                        for m in mems)
-        return largest * (self.gathered_dtype + 4)
+        return largest * (self.gathered_dtype + 4 + (4 if self.in_flight else 0))
 
     def unit(self, u: Unit, mode: str) -> UnitMemory:
         tp = self.pc.tp
@@ -230,10 +296,71 @@ class UnitBytes:
         # dp_shard): 1/dp_shard of them per rank, like every other weight.
         params = 4.0 * ((u.attn_params + u.dense_params) / tp + u.expert_params) / self.shard
         if u.kind == "embed":
-            return UnitMemory(u, params, 8.0 * self.n, 0.0, 4.0 * u.dense_params / tp)
+            mem = UnitMemory(u, params, 8.0 * self.n, 0.0, 4.0 * u.dense_params / tp)
+        elif u.kind == "head":
+            mem = self._head(u, params)
+        else:
+            mem = self._block(u, params, mode)
+        mem.new_grads = mem.final_grads = params
+        mem.output_grads = self.output_grads(u)
+        if self.master:
+            # train/master.py: a persistent bf16 copy and fp32 main gradient per matmul weight; backward
+            # leaves bf16 gradients, added into the main gradients when the pass ends.
+            matmul = 4.0 * self.matmul_params(u)
+            mem.persistent = matmul / 4 * (2 + 4)
+            mem.final_grads = params - matmul
+            mem.new_grads = mem.final_grads + matmul / 2
+        return mem
+
+    def largest_grad(self, m: UnitMemory) -> float:
+        """The fp32 gradient of a unit's largest parameter: the stacked experts' gate_up (2 of their 3
+        matrices), the embedding or the head, else one of the three matrices of a dense MLP, or the
+        largest attention projection."""
+        u, cfg, tp = m.unit, self.cfg, self.pc.tp
+        if u.kind in ("embed", "head"):
+            return m.params
+        h, nh = cfg.hidden_size, cfg.num_attention_heads / tp
+        attention = max(h * nh * cfg.qk_head_dim if not cfg.q_lora_rank else cfg.q_lora_rank * nh * cfg.qk_head_dim,
+                        cfg.kv_lora_rank * nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), nh * cfg.v_head_dim * h)
+        largest = max(attention, u.dense_params / tp / 3 if not u.expert_params else 0.0, u.expert_params * 2 / 3)
+        return 4.0 * largest / self.shard
+
+    def output_grads(self, u: Unit) -> float:
+        """Bytes of the gradients at a block's matmul outputs. A zero-bubble schedule's input-gradient
+        backward (torch.distributed.pipelining's stage_backward_input) keeps them, with the whole
+        graph (retain_graph), for the weight-gradient step; the head's are its logits' gradient, which
+        replaces the logits the loss saved (counted in its activations)."""
+        if u.kind in ("embed", "head"):
+            return 0.0
+        cfg, n, a, tp = self.cfg, self.n, self.a, self.pc.tp
+        h, nh = cfg.hidden_size, cfg.num_attention_heads / tp
+        q = (cfg.q_lora_rank or 0) + nh * cfg.qk_head_dim
+        kv = cfg.kv_lora_rank + cfg.qk_rope_head_dim + nh * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+        widths = q + kv + h  # + o_proj
+        if u.expert_params:
+            shared = cfg.n_shared_experts * cfg.moe_intermediate_size / tp
+            widths += 2 * shared + h
+            routed = a * n * cfg.num_experts_per_tok * self.skew * (2 * cfg.moe_intermediate_size / tp + h)
+            router = 4.0 * n * cfg.n_routed_experts
+        else:
+            widths += 2 * cfg.intermediate_size / tp + h
+            routed = router = 0.0
+        if u.kind == "mtp":
+            widths += h  # eh_proj
+        return a * n * widths + routed + router
+
+    def matmul_params(self, u: Unit) -> float:
+        """Elements of train/master.py's matmul parameters (Linear weights, stacked experts) in a unit:
+        all but the embedding, the RMSNorm gains and the router's weight and bias (unsharded: master
+        weights are one process's)."""
+        cfg, h = self.cfg, self.cfg.hidden_size
+        if u.kind == "embed":
+            return 0.0
         if u.kind == "head":
-            return self._head(u, params)
-        return self._block(u, params, mode)
+            return u.dense_params - h
+        norms = 2 * h + cfg.kv_lora_rank + (cfg.q_lora_rank or 0) + (3 * h if u.kind == "mtp" else 0)
+        router = cfg.n_routed_experts * (h + 1) if u.expert_params else 0
+        return u.params - norms - router
 
     def _head(self, u: Unit, params: float) -> UnitMemory:
         cfg, n, a = self.cfg, self.n, self.a
@@ -242,8 +369,9 @@ class UnitBytes:
         logits = a * n * v  # saved by the chunked cross-entropy (fp32 log-probabilities without autocast)
         saved = 4.0 * n * h + normed + logits + 16.0 * n
         copies = 2.0 * v * h if self.keeps_copies else 0.0
-        # backward: the logits' gradient, then the head's weight gradient in bf16 and its fp32 cast
-        workspace = a * n * v + (2.0 * v * h if self.autocast else 0.0)
+        # backward: the logits' gradient, then the head's weight gradient in bf16 and its fp32 cast (under
+        # master weights the bf16 gradient is the gradient, counted by the sweep)
+        workspace = a * n * v + (2.0 * v * h if self.autocast and not self.master else 0.0)
         return UnitMemory(u, params, saved, copies, workspace)
 
     def _block(self, u: Unit, params: float, mode: str) -> UnitMemory:
@@ -264,7 +392,7 @@ class UnitBytes:
             mlp, experts_saved, experts_internal, expert_copies = self._moe(u)
         else:
             inter = cfg.intermediate_size / tp
-            mlp = residual + norm_out + 4 * a * n * inter
+            mlp = residual + norm_out + 3 * a * n * inter  # model/moe.py's _SwiGLU saves gate and up; the product
             experts_saved = experts_internal = expert_copies = 0.0
         copies = 2.0 * (u.attn_params + u.dense_params) / tp if self.keeps_copies else 0.0
         copies += expert_copies
@@ -272,31 +400,45 @@ class UnitBytes:
             saved = residual + extra  # the block input (and the MTP module's own pieces)
             recompute_peak = attention + mlp + experts_saved + experts_internal
             workspace = recompute_peak + self._backward_workspace(u, nh) + copies
-            return UnitMemory(u, params, saved, 0.0, workspace)
+            return self._with_head_call(UnitMemory(u, params, saved, 0.0, workspace))
         if mode == "selective":
             attention = residual + (4.0 * n * h)  # the wrapper keeps the attention's (fp32) normed input
             saved = attention + mlp + experts_saved + extra
             copies = 2.0 * u.dense_params / tp if self.keeps_copies else 0.0
             workspace = self._backward_workspace(u, nh) + attn + experts_internal + expert_copies
             workspace += 2.0 * u.attn_params / tp if self.keeps_copies else 0.0
-            return UnitMemory(u, params, saved, copies, workspace)
+            return self._with_head_call(UnitMemory(u, params, saved, copies, workspace))
         saved = attention + mlp + experts_saved + experts_internal + extra
-        return UnitMemory(u, params, saved, copies, self._backward_workspace(u, nh))
+        return self._with_head_call(UnitMemory(u, params, saved, copies, self._backward_workspace(u, nh)))
+
+    def _with_head_call(self, mem: UnitMemory) -> UnitMemory:
+        """An MTP module's head call is backwarded before its block: its logits and their gradient are
+        gone when the block's own transients peak."""
+        if mem.unit.kind == "mtp":
+            mem.head_call, mem.head_workspace = self._mtp_head()
+        return mem
 
     def _mtp_extra(self) -> float:
         """What an MTP module keeps besides its block's usual share: the embedding lookup (saved by
         enorm), eh_proj's input [enorm(emb); hnorm(h)], its head call (norm input, head input,
         logits) — and, under autocast, 2NH more in each of its block's two norms, whose input is
         eh_proj's bf16 output (an fp32 copy and the normed bf16 input are saved)."""
-        cfg, n, h, a = self.cfg, self.n, self.cfg.hidden_size, self.a
-        logits = a * n * cfg.vocab_size / self.pc.tp + 16.0 * n  # + the targets and log-sum-exp per row
+        n, h = self.n, self.cfg.hidden_size
         if self.autocast:
             eh_input = 2.0 * n * 2 * h
             block_norms = 2 * 2.0 * n * h
-            head = (4.0 + 2.0) * n * h + logits
         else:
-            eh_input, block_norms, head = 8.0 * n * h, 0.0, 4.0 * n * h + logits
-        return 4.0 * n * h + eh_input + block_norms + head
+            eh_input, block_norms = 8.0 * n * h, 0.0
+        return 4.0 * n * h + eh_input + block_norms + self._mtp_head()[0]
+
+    def _mtp_head(self) -> tuple[float, float]:
+        """(saved, backward workspace) of an MTP module's call of the shared head: the norm's input (and
+        its bf16 output under autocast), the logits, the targets and log-sum-exp per row; the logits'
+        gradient."""
+        cfg, n, h, a = self.cfg, self.n, self.cfg.hidden_size, self.a
+        logits = a * n * cfg.vocab_size / self.pc.tp
+        norm = (4.0 + 2.0) * n * h if self.autocast else 4.0 * n * h
+        return norm + logits + 16.0 * n, logits
 
     def _attention_core(self, nh: float) -> float:
         """MatmulAttention saves the scaled q, k, v and the probabilities; o_proj its (B, T, nh·dv) input.
@@ -325,11 +467,11 @@ class UnitBytes:
         else:
             inputs = 4.0 * n * h
         router = a * n * e + 8.0 * n * k + 2 * a * n * k
-        shared = 4 * a * n * shared_inter
+        shared = 3 * a * n * shared_inter  # gate and up (saved by _SwiGLU), the product (down_proj's input)
         dispatch = 8.0 * s * 2  # the sort order and its inverse (int64)
         outside = residual + inputs + router + shared + dispatch
         at_experts = a * received * h + a * s * h  # expert input copies; the unsorted outputs in combine
-        inside = a * received * (2 * inter + inter + inter)  # gate_up output, silu output, the product
+        inside = a * received * (2 * inter + inter)  # gate_up output (saved by _SwiGLU), the product
         copies = 2.0 * u.expert_params / self.pc.ep if self.keeps_copies else 0.0
         if self.pc.ep > 1:
             at_experts += a * s * h  # the all-to-all's received buffer before regrouping by expert
@@ -344,7 +486,7 @@ class UnitBytes:
         experts = 0.0
         if u.expert_params:
             per_proj = u.expert_params / self.pc.ep * 2 / 3  # gate_up is 2 of the 3 expert matrices
-            experts = per_proj * (2.0 if self.autocast else 0.0)
+            experts = per_proj * (2.0 if self.autocast and not self.master else 0.0)
         return max(scores, experts)
 
 

@@ -71,28 +71,33 @@ class SimResult:
     peak_inflight: list[int]  # per stage: micro-batches holding activations at once
     stage_to_rank: list[int]
     events: list[Event]
-    _deltas: list[tuple[int, int]] | None = None
+    _deltas: list[tuple[int, str]] | None = None
 
-    def rank_peak(self, bytes_per_microbatch: list[float]) -> list[float]:
-        """Per rank, the peak of Σ over its stages of (live micro-batches × that stage's bytes)."""
+    def rank_peak(self, bytes_per_microbatch: list[float], held_for_weight: list[float] | None = None) -> list[float]:
+        """Per rank, the peak of Σ over its stages of (live micro-batches × that stage's bytes).
+        held_for_weight: per stage, the part of a micro-batch's bytes its input-gradient backward (I)
+        leaves for the weight-gradient one (W): the weights' inputs and their outputs' gradients."""
+        held = held_for_weight or [0.0] * len(bytes_per_microbatch)
         live, peak = [0.0] * (max(self.stage_to_rank) + 1), [0.0] * (max(self.stage_to_rank) + 1)
-        for stage, sign in self._activation_deltas():
+        for stage, kind in self._activation_deltas():
             rank = self.stage_to_rank[stage]
-            live[rank] += sign * bytes_per_microbatch[stage]
+            full = bytes_per_microbatch[stage]
+            live[rank] += {_F: full, _B: -full, _I: held[stage] - full, _W: -held[stage]}[kind]
             peak[rank] = max(peak[rank], live[rank])
         return peak
 
-    def _activation_deltas(self) -> list[tuple[int, int]]:
-        """(stage, +1 | -1) in time order: a forward's start holds a micro-batch's activations, the end
-        of its input-gradient (or full) backward frees them; at equal times the free comes first."""
+    def _activation_deltas(self) -> list[tuple[int, str]]:
+        """(stage, action kind) in time order: a forward's start holds a micro-batch's activations, the
+        end of its full backward (B) frees them, that of its input-gradient backward (I) all but what the
+        weight-gradient one (W) needs, which W's end frees; at equal times the frees come first."""
         if self._deltas is None:
             deltas = []
             for e in self.events:
                 if e.action.kind == _F:
-                    deltas.append((e.start, 1, e.action.stage, 1))
-                elif e.action.kind in (_I, _B):
-                    deltas.append((e.end, 0, e.action.stage, -1))
-            self._deltas = [(stage, sign) for _, _, stage, sign in sorted(deltas)]
+                    deltas.append((e.start, 1, e.action.stage, _F))
+                else:
+                    deltas.append((e.end, 0, e.action.stage, e.action.kind))
+            self._deltas = [(stage, kind) for _, _, stage, kind in sorted(deltas)]
         return self._deltas
 
 
@@ -268,8 +273,8 @@ def _bubble(events: list[Event], pp: int) -> tuple[float, float]:
 
 def _peak_inflight(result: SimResult, num_stages: int) -> list[int]:
     live, peak = [0] * num_stages, [0] * num_stages
-    for stage, sign in result._activation_deltas():
-        live[stage] += sign
+    for stage, kind in result._activation_deltas():
+        live[stage] += {_F: 1, _I: -1, _B: -1, _W: 0}[kind]
         peak[stage] = max(peak[stage], live[stage])
     return peak
 

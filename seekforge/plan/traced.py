@@ -11,6 +11,10 @@ on a "fake" process group of the layout's world size (torch's FakeStore; collect
 and move nothing), and this process plays rank 0. Expert parallelism needs the exchanged token
 counts, pipelining real point-to-point traffic, and the tensor-parallel loss trips over fake inputs
 in DTensor's cross-entropy backward: plan/memory.py covers those layouts.
+
+bf16 on one device follows the trainer (train/master.py): persistent bf16 copies of the matmul weights
+and persistent fp32 main gradients (`_MasterWeightsTrace`, the same tensors, its own few lines since plan/
+sits below train/); sharded layouts autocast over FSDP2's policy, as the trainer does.
 """
 
 from __future__ import annotations
@@ -22,7 +26,39 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
 from seekforge.config import ModelConfig, ParallelConfig
+from seekforge.model.moe import GroupedExperts
 from seekforge.plan.measure import LiveBytes
+
+
+class _MasterWeightsTrace:
+    """train/master.MasterWeights' tensors: a bf16 copy per matmul weight (Linear, stacked experts; not
+    one tied to another module), swapped in for forward and backward; its bf16 gradient added into a
+    persistent fp32 main gradient when the pass ends."""
+
+    def __init__(self, model: torch.nn.Module):
+        linear = (torch.nn.Linear, GroupedExperts)
+        others = {id(p) for m in model.modules() if not isinstance(m, linear) for p in m.parameters(recurse=False)}
+        self.params = list({id(p): p for m in model.modules() if isinstance(m, linear)
+                            for p in m.parameters(recurse=False) if id(p) not in others}.values())
+        self.copies = [torch.empty_like(p, dtype=torch.bfloat16) for p in self.params]
+        self.main_grads = [None] * len(self.params)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return self.copies + [g for g in self.main_grads if g is not None]
+
+    @contextmanager
+    def compute(self):
+        masters = [p.data for p in self.params]
+        torch._foreach_copy_(self.copies, masters)
+        for p, copy in zip(self.params, self.copies, strict=True):
+            p.grad, p.data = None, copy
+        yield
+        for i, (p, master) in enumerate(zip(self.params, masters, strict=True)):
+            grad, p.grad, p.data = p.grad, None, master
+            if grad is not None:
+                if self.main_grads[i] is None:
+                    self.main_grads[i] = torch.empty_like(grad, dtype=torch.float32)
+                p.grad = self.main_grads[i].copy_(grad)
 
 
 @contextmanager
@@ -41,6 +77,35 @@ def _balanced_routing():
         yield
     finally:
         torch.bincount = original
+
+
+@contextmanager
+def _cpu_autograd_functions():
+    """The model takes its CPU autograd Functions (model/moe.py's _SwiGLU, model/model.py's _RMSNorm)
+    only for plain tensors, `type(x) is torch.Tensor`, which a FakeTensor is not: the trace would take
+    the composite paths, which save more (silu's output, the norm's pieces). Inside the trace the same
+    Functions are taken for fake tensors that need gradients."""
+    from seekforge.model import model as model_module
+    from seekforge.model import moe
+
+    swiglu, norm_forward = moe.swiglu, model_module.RMSNorm.forward
+
+    def traced_swiglu(gate, up=None):
+        if torch.is_grad_enabled() and (gate.requires_grad or (up is not None and up.requires_grad)):
+            return moe._SwiGLU.apply(gate, up)
+        return swiglu(gate, up)
+
+    def traced_norm(self, x):
+        if (x.dtype == self.weight.dtype == torch.float32 and torch.is_grad_enabled()
+                and (x.requires_grad or self.weight.requires_grad)):
+            return model_module._RMSNorm.apply(x, self.weight, self.eps)
+        return norm_forward(self, x)
+
+    moe.swiglu, model_module.RMSNorm.forward = traced_swiglu, traced_norm
+    try:
+        yield
+    finally:
+        moe.swiglu, model_module.RMSNorm.forward = swiglu, norm_forward
 
 
 @contextmanager
@@ -77,7 +142,8 @@ def traced_peak(cfg: ModelConfig, micro_batch_size: int, seq_len: int, dtype: st
 
     if dtype not in ("bf16", "fp32"):
         raise ValueError(f"dtype={dtype!r}: use 'bf16' (autocast) or 'fp32'")
-    with _fake_process_group(pc, cfg) as mesh, FakeTensorMode(allow_non_fake_inputs=True), _balanced_routing():
+    with (_fake_process_group(pc, cfg) as mesh, FakeTensorMode(allow_non_fake_inputs=True), _balanced_routing(),
+          _cpu_autograd_functions()):
         model = Transformer(cfg).init_buffers()
         if mesh is not None:
             parallelize(model, pc, mesh)
@@ -87,16 +153,18 @@ def traced_peak(cfg: ModelConfig, micro_batch_size: int, seq_len: int, dtype: st
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         ids = torch.zeros(micro_batch_size, seq_len + 1, dtype=torch.long)
         autocast = torch.autocast("cpu", dtype=torch.bfloat16) if dtype == "bf16" else nullcontext()
+        master = _MasterWeightsTrace(model) if dtype == "bf16" and mesh is None else None
 
         def step():
-            with autocast:
-                loss, _ = lm_loss(model, ids[:, :-1], ids[:, 1:], mtp_loss_scale=mtp_loss_scale)
-            loss.backward()
+            with master.compute() if master else nullcontext():
+                with autocast:
+                    loss, _ = lm_loss(model, ids[:, :-1], ids[:, 1:], mtp_loss_scale=mtp_loss_scale)
+                loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
         step()
-        existing = [*model.parameters(), *model.buffers()]
+        existing = [*model.parameters(), *model.buffers(), *(master.tensors() if master else [])]
         existing += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
         with LiveBytes(existing) as tracker:
             step()

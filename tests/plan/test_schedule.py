@@ -67,3 +67,17 @@ def test_timeline_png(tmp_path):
     r = simulate("ZBVZeroBubble", uniform_costs("ZBVZeroBubble", 2, F, B, W), 4)
     draw_timeline(r, str(tmp_path / "t.png"))
     assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_split_backward_holds_bytes_until_the_weight_step():
+    """Between a zero-bubble schedule's I and W a micro-batch keeps what W needs (plan/memory.py: the
+    graph and its matmuls' output gradients); 1F1B has no W, so nothing changes there."""
+    from seekforge.plan.schedule import simulate_uniform
+
+    zbv = simulate_uniform("ZBVZeroBubble", 2, 4)
+    freed_at_input = zbv.rank_peak([1.0] * 4)
+    assert zbv.rank_peak([1.0] * 4, [0.0] * 4) == freed_at_input
+    held = zbv.rank_peak([1.0] * 4, [1.5] * 4)
+    assert all(h >= f for h, f in zip(held, freed_at_input, strict=True)) and held != freed_at_input
+    one_f1b = simulate_uniform("1F1B", 2, 4)
+    assert one_f1b.rank_peak([1.0] * 2, [5.0] * 2) == one_f1b.rank_peak([1.0] * 2)
