@@ -38,12 +38,17 @@ class ParallelConfig:
     dp_replicate × dp_shard is HSDP (FSDP within a shard group, replicas across); dp_shard alone is
     FSDP. Expert parallelism borrows ranks from dp_shard (as in torchtitan): `ep` must divide it, and
     each expert's weights are FSDP-sharded over the remaining dp_shard / ep ranks.
+
+    ep_nodes > 1 groups the ep ranks into that many nodes of consecutive ranks, and the expert
+    all-to-all becomes hierarchical (parallel/ep.py's HierarchicalDispatcher): a token crosses to
+    another node once per destination node, then an intra-node all-to-all reaches the experts.
     """
 
     dp_replicate: int = 1
     dp_shard: int = 1
     tp: int = 1
     ep: int = 1
+    ep_nodes: int = 1  # nodes the ep ranks are grouped into (hierarchical all-to-all when > 1)
     pp: int = 1
     sequence_parallel: bool = False  # with tp > 1: norms run on T/tp tokens (parallel/tp.py)
     pp_schedule: str = "1F1B"
@@ -54,7 +59,7 @@ class ParallelConfig:
     mixed_precision: str = "fp32"  # "bf16": bf16 params/compute with fp32 gradient reduction
 
     def __post_init__(self):
-        for key in ("dp_replicate", "dp_shard", "tp", "ep", "pp", "microbatches"):
+        for key in ("dp_replicate", "dp_shard", "tp", "ep", "ep_nodes", "pp", "microbatches"):
             value = getattr(self, key)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"ParallelConfig.{key}={value!r}: must be a positive integer")
@@ -68,6 +73,9 @@ class ParallelConfig:
         if self.dp_shard % self.ep:
             raise ValueError(f"ep={self.ep} does not divide dp_shard={self.dp_shard}: experts are split over "
                              f"data-parallel ranks; pick ep in {_divisors(self.dp_shard)} or raise dp_shard")
+        if self.ep % self.ep_nodes:
+            raise ValueError(f"ep_nodes={self.ep_nodes} does not divide ep={self.ep}: every node holds the same "
+                             f"number of expert-parallel ranks; pick ep_nodes in {_divisors(self.ep)}")
         # Checked here, not in validate: they need no model, so `plan schedule` applies them too.
         if self.pp > 1:
             if self.microbatches < self.pp:

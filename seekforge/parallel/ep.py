@@ -16,6 +16,10 @@ Backward mirrors this with the saved splits. `_Wait.backward` starts the gradien
 `_Start.backward` finishes it and returns the result. Autograd runs the ready node recorded latest
 first, so the shared experts' backward (recorded between start and wait) runs while the dispatch
 gradients are in flight. tests/dist/test_ep_dropless.py checks this ordering.
+
+With the ep ranks grouped into nodes (ParallelConfig.ep_nodes > 1), HierarchicalDispatcher sends a
+token across the node boundary once per destination node, then within the node, as DeepEP's internode
+path does (tests/dist/test_ep_hierarchical.py counts the bytes that cross, against this flat exchange's).
 """
 
 from __future__ import annotations
@@ -91,7 +95,7 @@ def all_to_all(x: torch.Tensor, flight: _InFlight) -> torch.Tensor:
 class AllToAllDispatcher:
     """Drop-in for moe.LocalDispatcher across an expert-parallel process group."""
 
-    def __init__(self, group, num_experts: int):
+    def __init__(self, group, num_experts: int, ranks_per_node: int | None = None):
         self.group = group
         self.ep = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -99,6 +103,10 @@ class AllToAllDispatcher:
         # Since the last reset (probe/monitor.py reads and resets them per step): bytes this rank sent
         # to other ranks in forward (dispatch and combine), and seconds forward spent waiting on them.
         self.sent_bytes, self.wait_seconds = 0, 0.0
+        # Of sent_bytes, those to ranks of other nodes, were the ep ranks grouped into nodes of
+        # ranks_per_node consecutive ranks (None: one node); compared with HierarchicalDispatcher's.
+        self.ranks_per_node = ranks_per_node or self.ep
+        self.cross_node_bytes = 0
 
     def dispatch(self, x: torch.Tensor, indices: torch.Tensor, num_experts: int):
         """x (N, H), indices (N, K) → in-flight received copies (R, H), tokens per local expert (L,),
@@ -129,7 +137,11 @@ class AllToAllDispatcher:
 
     def _count(self, splits: list[int], rows: torch.Tensor) -> None:
         """Rows sent to other ranks (a rank's own split never leaves it), in bytes."""
-        self.sent_bytes += (sum(splits) - splits[self.rank]) * rows.shape[-1] * rows.element_size()
+        row_bytes = rows.shape[-1] * rows.element_size()
+        self.sent_bytes += (sum(splits) - splits[self.rank]) * row_bytes
+        node = self.rank // self.ranks_per_node
+        mine = splits[node * self.ranks_per_node:(node + 1) * self.ranks_per_node]
+        self.cross_node_bytes += (sum(splits) - sum(mine)) * row_bytes
 
     def combine(self, y: torch.Tensor, state, weights: torch.Tensor) -> torch.Tensor:
         """y (R, H) expert-major, weights (N, K) → (N, H)."""
@@ -145,9 +157,132 @@ class AllToAllDispatcher:
         return weighted_sum(unsorted, weights)  # the same sum as LocalDispatcher.combine
 
 
-def apply_ep(model: torch.nn.Module, ep_mesh: DeviceMesh) -> None:
+class HierarchicalDispatcher:
+    """Drop-in for AllToAllDispatcher with the ep ranks grouped into nodes (DeepEP's internode path).
+
+    ep rank p = node · r + local (r ranks per node, nodes of consecutive ranks; experts stay E/ep
+    contiguous ones per rank, so a node holds E/ep_nodes contiguous experts). Legend as the module's,
+    plus G nodes, A = (token, node) pairs this rank sends, B rows that arrived from the rails.
+
+    dispatch: one row per (token, destination node) goes to the rank of that node with this rank's
+              local index (the rail group: one rank per node), with the ids of the token's experts on
+              that node (-1 elsewhere). Rows for this rank's own node take the same path to itself, so
+              they never leave the rank. The rows travel while the shared experts run; `wait` then
+              expands them into copies and runs an intra-node all-to-all to the experts' owners
+              (the flat dispatcher's exchange, within the node).
+    combine:  outputs return within the node, are weighted (the router weights cross the rail with
+              the ids) and summed per arrived row, and one row per (token, node) crosses back.
+    So each direction moves rows × H across nodes with rows = A ≤ N·K, where the flat exchange
+    moves one row per copy on another node. Node-limited routing bounds A: see `nodes_per_token`.
+    """
+
+    def __init__(self, group, rail_group, node_group, num_experts: int):
+        self.ep, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.rail_group, self.node_group = rail_group, node_group
+        self.nodes, self.node = dist.get_world_size(rail_group), dist.get_rank(rail_group)
+        self.per_node, self.local = dist.get_world_size(node_group), dist.get_rank(node_group)
+        if self.nodes * self.per_node != self.ep or self.node * self.per_node + self.local != self.rank:
+            raise ValueError(f"ep rank {self.rank} of {self.ep} is (node {self.node} of {self.nodes}, local "
+                             f"{self.local} of {self.per_node}): nodes must be consecutive ep ranks; build the "
+                             "groups from parallel/mesh.py's ep_node × ep_local view")
+        self.num_local_experts = num_experts // self.ep
+        self.experts_per_node = num_experts // self.nodes
+        # As AllToAllDispatcher's; cross_node_bytes counts hidden-state rows across node boundaries,
+        # cross_node_meta_bytes the expert ids and router weights that travel with them.
+        self.sent_bytes, self.wait_seconds, self.cross_node_bytes, self.cross_node_meta_bytes = 0, 0.0, 0, 0
+
+    def dispatch(self, x: torch.Tensor, indices: torch.Tensor, num_experts: int):
+        """x (N, H), indices (N, K) → rows crossing the rails (in flight), tokens per local expert (L,), state."""
+        n, k = indices.shape
+        node_of = indices // self.experts_per_node  # (N, K)
+        hit = torch.zeros(n, self.nodes, dtype=torch.bool, device=x.device).scatter_(1, node_of, True)  # (N, G)
+        dest, token = hit.t().nonzero(as_tuple=True)  # (A,) each: (node, token) pairs, node-major
+        send = hit.sum(0)  # (G,)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.rail_group)
+        rail = _InFlight(self.rail_group, send.tolist(), recv.tolist())
+        on_dest = node_of[token] == dest[:, None]  # (A, K): which of the token's experts the row serves
+        ids = torch.where(on_dest, indices[token], -1)
+        arrived_ids = ids.new_empty(sum(rail.output_splits), k)  # (B, K)
+        dist.all_to_all_single(arrived_ids, ids, rail.output_splits, rail.input_splits, group=self.rail_group)
+        self._count(rail.input_splits, self.node, x, cross=True)
+        self.cross_node_meta_bytes += (sum(rail.input_splits) - rail.input_splits[self.node]) * k * ids.element_size()
+        arriving = _Start.apply(x[token], rail)  # (B, H), crossing nodes while the shared experts run
+        order, flight, counts, expert_major = self._plan_node_exchange(arrived_ids)
+        return arriving, counts, (n, k, dest, token, on_dest, rail, order, flight, expert_major)
+
+    def _plan_node_exchange(self, arrived_ids: torch.Tensor):
+        """arrived_ids (B, K) (-1: not this node's) → the copies' order by expert, the intra-node
+        flight, tokens per local expert (L,), and the received copies' expert-major order."""
+        per_node, num_local, span = self.per_node, self.num_local_experts, self.experts_per_node
+        flat = arrived_ids.reshape(-1)  # (B·K,)
+        valid = flat >= 0
+        key = torch.where(valid, flat - self.node * span, span)  # expert within the node; others last
+        order = key.argsort(stable=True)[: int(valid.sum())]  # copy positions grouped by expert
+        counts = torch.bincount(key[order], minlength=span)  # (L·r,)
+        recv_counts = torch.empty_like(counts)
+        dist.all_to_all_single(recv_counts, counts, group=self.node_group)
+        recv_counts = recv_counts.view(per_node, num_local)  # [source local rank, local expert]
+        flight = _InFlight(self.node_group, counts.view(per_node, num_local).sum(1).tolist(),
+                           recv_counts.sum(1).tolist())
+        segment = torch.arange(per_node * num_local, device=arrived_ids.device).repeat_interleave(
+            recv_counts.reshape(-1))
+        expert_major = ((segment % num_local) * per_node + segment // num_local).argsort(stable=True)
+        return order, flight, recv_counts.sum(0), expert_major
+
+    def wait(self, arriving: torch.Tensor, state) -> torch.Tensor:
+        """Finish the rail exchange, then deliver the copies within the node → (R, H) expert-major."""
+        _, k, _, _, _, rail, order, flight, expert_major = state
+        start = time.perf_counter()
+        arrived = _Wait.apply(arriving, rail)  # (B, H)
+        self._count(flight.input_splits, self.local, arrived, cross=False)
+        received = all_to_all(arrived[order // k], flight)
+        self.wait_seconds += time.perf_counter() - start
+        return received[expert_major]
+
+    def combine(self, y: torch.Tensor, state, weights: torch.Tensor) -> torch.Tensor:
+        """y (R, H) expert-major, weights (N, K) → (N, H)."""
+        n, k, dest, token, on_dest, rail, order, flight, expert_major = state
+        h = y.shape[-1]
+        start = time.perf_counter()
+        y = torch.empty_like(y).index_copy(0, expert_major, y)  # back to (source local rank, expert) order
+        self._count(flight.output_splits, self.local, y, cross=False)
+        y = all_to_all(y, _InFlight(self.node_group, flight.output_splits, flight.input_splits))
+        arrived = sum(rail.output_splits)
+        slots = y.new_zeros(arrived * k, h).index_copy(0, order, y).view(arrived, k, h)  # (B, K, H), 0: elsewhere
+        w = torch.where(on_dest, weights[token], 0)  # (A, K)
+        w = all_to_all(w, _InFlight(self.rail_group, rail.input_splits, rail.output_splits))  # (B, K)
+        self.cross_node_meta_bytes += (sum(rail.input_splits) - rail.input_splits[self.node]) * k * w.element_size()
+        partial = weighted_sum(slots, w)  # (B, H): each arrived row's experts on this node, summed
+        self._count(rail.output_splits, self.node, partial, cross=True)
+        partial = all_to_all(partial, _InFlight(self.rail_group, rail.output_splits, rail.input_splits))  # (A, H)
+        self.wait_seconds += time.perf_counter() - start
+        per_node = partial.new_zeros(self.nodes * n, h).index_copy(0, dest * n + token, partial)
+        return per_node.view(self.nodes, n, h).sum(0)
+
+    def _count(self, splits: list[int], me: int, rows: torch.Tensor, cross: bool) -> None:
+        """Rows sent to other ranks of `splits`' group (all on other nodes if `cross`), in bytes."""
+        sent = (sum(splits) - splits[me]) * rows.shape[-1] * rows.element_size()
+        self.sent_bytes += sent
+        if cross:
+            self.cross_node_bytes += sent
+
+
+def nodes_per_token(cfg, ep_nodes: int) -> int:
+    """The most nodes one token's copies reach. Groups are contiguous ranges of E/n_group experts and a
+    node holds E/ep_nodes contiguous experts, so when ep_nodes divides n_group every group lies within
+    one node (group g on node g·ep_nodes/n_group) and a token, choosing within topk_group groups,
+    reaches at most topk_group nodes: DeepSeek-V3's node-limited routing (M = topk_group)."""
+    bound = min(cfg.num_experts_per_tok, ep_nodes)
+    if cfg.n_group > 1 and cfg.topk_method != "greedy" and cfg.n_group % ep_nodes == 0:
+        bound = min(bound, cfg.topk_group)
+    return bound
+
+
+def apply_ep(model: torch.nn.Module, ep_mesh: DeviceMesh, node_mesh: DeviceMesh | None = None) -> None:
     """Keep E/ep experts per rank (stacked weights become DTensors sharded on the expert dim, so
-    checkpoints see the global tensor) and route tokens with all-to-alls over `ep_mesh`."""
+    checkpoints see the global tensor) and route tokens with all-to-alls over `ep_mesh`; with
+    `node_mesh` (the ep ranks as ep_node × ep_local, parallel/mesh.py) hierarchically, node to node."""
     rank, ep = ep_mesh.get_local_rank(), ep_mesh.size()
     for moe in [m for m in model.modules() if isinstance(m, MoE)]:
         experts = moe.experts
@@ -156,4 +291,8 @@ def apply_ep(model: torch.nn.Module, ep_mesh: DeviceMesh) -> None:
             local = full.detach().chunk(ep, dim=0)[rank].clone()  # every rank built the same model
             sharded = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
             setattr(experts, name, torch.nn.Parameter(sharded, requires_grad=full.requires_grad))
-        moe.dispatcher = AllToAllDispatcher(ep_mesh.get_group(), moe.cfg.n_routed_experts)
+        if node_mesh is None:
+            moe.dispatcher = AllToAllDispatcher(ep_mesh.get_group(), moe.cfg.n_routed_experts)
+        else:
+            moe.dispatcher = HierarchicalDispatcher(ep_mesh.get_group(), node_mesh["ep_node"].get_group(),
+                                                    node_mesh["ep_local"].get_group(), moe.cfg.n_routed_experts)

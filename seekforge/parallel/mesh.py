@@ -6,6 +6,10 @@ DTensors from any of them), each with its dimensions outermost first:
     dense   pp × dp_replicate × dp_shard × tp                 non-expert weights: FSDP/HSDP, TP, PP
     experts pp × dp_replicate × dp_shard_mod_ep × ep × tp     expert weights (built when ep > 1)
     batch   pp × dp × tp                                      data slicing and loss averaging
+    nodes   pp × dp_replicate × dp_shard_mod_ep × ep_node × ep_local × tp
+            the ep dimension split into nodes of consecutive ep ranks (built when ep_nodes > 1):
+            mesh["ep_node"] joins the ranks of one local index across nodes (the rails that cross
+            node boundaries), mesh["ep_local"] the ranks of one node (parallel/ep.py)
 
 Expert parallelism borrows its ranks from dp_shard (dp_shard = dp_shard_mod_ep · ep): experts are
 split over ranks that see different data, and each expert's weights are FSDP-sharded over the
@@ -28,12 +32,13 @@ class ParallelMesh:
     """The three views, looked up by dimension name: mesh["tp"], mesh["dp"], mesh["ep"],
     mesh["dp_replicate", "dp_shard"]. `dense.mesh` is the rank grid (pp, dp_replicate, dp_shard, tp)."""
 
-    def __init__(self, dense: DeviceMesh, experts: DeviceMesh | None, batch: DeviceMesh):
-        self.dense, self.experts, self.batch = dense, experts, batch
+    def __init__(self, dense: DeviceMesh, experts: DeviceMesh | None, batch: DeviceMesh,
+                 nodes: DeviceMesh | None = None):
+        self.dense, self.experts, self.batch, self.nodes = dense, experts, batch, nodes
 
     def __getitem__(self, names: str | tuple[str, ...]) -> DeviceMesh:
         wanted = (names,) if isinstance(names, str) else tuple(names)
-        for view in (self.dense, self.experts, self.batch):
+        for view in (self.dense, self.experts, self.batch, self.nodes):
             if view is not None and set(wanted) <= set(view.mesh_dim_names):
                 return view[names]
         raise KeyError(f"no mesh dimension(s) {wanted}")
@@ -60,7 +65,11 @@ def build_mesh(pc: ParallelConfig, model_cfg: ModelConfig, device_type: str | No
         experts = world._unflatten(0, (pc.pp, pc.dp_replicate, pc.dp_shard // pc.ep, pc.ep, pc.tp),
                                    ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "tp"))
     batch = world._unflatten(0, (pc.pp, pc.dp_replicate * pc.dp_shard, pc.tp), ("pp", "dp", "tp"))
-    return ParallelMesh(dense, experts, batch)
+    nodes = None
+    if pc.ep_nodes > 1:
+        nodes = world._unflatten(0, (pc.pp, pc.dp_replicate, pc.dp_shard // pc.ep, pc.ep_nodes, pc.ep // pc.ep_nodes,
+                                     pc.tp), ("pp", "dp_replicate", "dp_shard_mod_ep", "ep_node", "ep_local", "tp"))
+    return ParallelMesh(dense, experts, batch, nodes)
 
 
 def init_distributed(backend: str | None = None, timeout_s: float | None = None) -> None:

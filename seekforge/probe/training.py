@@ -54,7 +54,7 @@ class TrainingProbe:
         its rollouts through the same module, which is not the training pass they watch."""
         self.tracer.begin_step(step)
         for dispatcher in self.dispatchers:  # its all-to-all counters cover one step
-            dispatcher.sent_bytes, dispatcher.wait_seconds = 0, 0.0
+            dispatcher.sent_bytes, dispatcher.wait_seconds, dispatcher.cross_node_bytes = 0, 0.0, 0
         if record:
             self.start_recording(step)
         self.timer.begin()
