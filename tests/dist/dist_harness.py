@@ -14,11 +14,11 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.tensor import DTensor
 
 from seekforge.config import ParallelConfig, preset
+from seekforge.model.loss import lm_loss
 from seekforge.model.model import build_model
 from seekforge.parallel.mesh import build_mesh
 from seekforge.parallel.parallelize import parallelize
 from seekforge.parallel.tp import loss_context
-from seekforge.model.loss import lm_loss
 
 STEPS, BATCH, SEQ = 3, 4, 16
 
@@ -147,3 +147,23 @@ def assert_matches_reference(results, reference, loss_tol: float, weight_tol: fl
     worst = max((state[k] - ref_state[k]).abs().max().item() for k in ref_state)
     assert worst <= weight_tol, f"max |weight - reference| = {worst:.2e} > {weight_tol:.0e}"
     return worst
+
+
+class OverlapRecord(list):
+    """The order of an EP MoE layer's all-to-all starts and waits and its shared experts' forward and backward,
+    filled while the layer runs (the shared experts must sit between a start and its wait: overlap); `stop`
+    puts the all-to-all back as it was."""
+
+    def __init__(self, moe):
+        from seekforge.parallel import ep as ep_module
+
+        super().__init__()
+        self._flight = ep_module._InFlight
+        self._originals = start, wait = self._flight.start, self._flight.wait
+        self._flight.start = lambda flight, *a: (self.append("start"), start(flight, *a))[1]
+        self._flight.wait = lambda flight: (self.append("wait"), wait(flight))[1]
+        moe.shared_experts.register_forward_hook(lambda *_: self.append("shared"))
+        moe.shared_experts.register_full_backward_hook(lambda *_: self.append("shared"))
+
+    def stop(self) -> None:
+        self._flight.start, self._flight.wait = self._originals

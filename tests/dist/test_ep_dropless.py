@@ -3,12 +3,11 @@ gradients), and runs the shared experts while an all-to-all is in flight, forwar
 
 import torch
 import torch.distributed as dist
-from dist_harness import model_config
+from dist_harness import OverlapRecord, model_config
 from dist_launcher import launch
 from torch.distributed.device_mesh import init_device_mesh
 
 from seekforge.model.moe import MoE
-from seekforge.parallel import ep as ep_module
 from seekforge.parallel.ep import apply_ep
 
 TOKENS_PER_RANK, WORLD = 24, 2
@@ -40,12 +39,7 @@ def run_rank():
     rank = dist.get_rank()
     moe = skewed_moe(cfg)
     apply_ep(moe, init_device_mesh("cpu", (WORLD,), mesh_dim_names=("ep",))["ep"])
-    events = []
-    start, wait = ep_module._InFlight.start, ep_module._InFlight.wait
-    ep_module._InFlight.start = lambda self, *a: (events.append("start"), start(self, *a))[1]
-    ep_module._InFlight.wait = lambda self: (events.append("wait"), wait(self))[1]
-    moe.shared_experts.register_forward_hook(lambda *_: events.append("shared"))
-    moe.shared_experts.register_full_backward_hook(lambda *_: events.append("shared"))
+    events = OverlapRecord(moe)
 
     x_all, probe_all = inputs(cfg)
     rows = slice(rank * TOKENS_PER_RANK, (rank + 1) * TOKENS_PER_RANK)

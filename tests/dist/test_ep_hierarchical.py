@@ -5,8 +5,16 @@ gradients as the flat all-to-all with fewer bytes across the simulated node boun
 import pytest
 import torch
 import torch.distributed as dist
-from dist_harness import BATCH, assert_matches_reference, batches, make_optimizer, model_config, reference_run, \
-    run_layout
+from dist_harness import (
+    BATCH,
+    OverlapRecord,
+    assert_matches_reference,
+    batches,
+    make_optimizer,
+    model_config,
+    reference_run,
+    run_layout,
+)
 from dist_launcher import launch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -15,7 +23,6 @@ from seekforge.config import ParallelConfig
 from seekforge.model.loss import lm_loss
 from seekforge.model.model import build_model
 from seekforge.model.moe import MoE
-from seekforge.parallel import ep as ep_module
 from seekforge.parallel.ep import HierarchicalDispatcher, apply_ep, nodes_per_token
 from seekforge.parallel.mesh import build_mesh
 from seekforge.parallel.parallelize import parallelize
@@ -36,12 +43,7 @@ def layer_run(cfg_overrides: dict, hierarchical: bool):
     nodes = world._unflatten(0, (NODES, WORLD // NODES), ("ep_node", "ep_local"))
     apply_ep(moe, world, nodes if hierarchical else None)
     assert isinstance(moe.dispatcher, HierarchicalDispatcher) == hierarchical
-    events = []
-    start, wait = ep_module._InFlight.start, ep_module._InFlight.wait
-    ep_module._InFlight.start = lambda self, *a: (events.append("start"), start(self, *a))[1]
-    ep_module._InFlight.wait = lambda self: (events.append("wait"), wait(self))[1]
-    moe.shared_experts.register_forward_hook(lambda *_: events.append("shared"))
-    moe.shared_experts.register_full_backward_hook(lambda *_: events.append("shared"))
+    events = OverlapRecord(moe)
     if not hierarchical:
         moe.dispatcher.ranks_per_node = WORLD // NODES  # count what would cross the same node boundary
     g = torch.Generator().manual_seed(1)
@@ -52,7 +54,7 @@ def layer_run(cfg_overrides: dict, hierarchical: bool):
     out = moe(x)
     forward_bytes, forward_events = moe.dispatcher.cross_node_bytes, list(events)
     (out * probe[rows]).sum().backward()
-    ep_module._InFlight.start, ep_module._InFlight.wait = start, wait
+    events.stop()
     gate_grad = moe.gate.weight.grad.clone()
     dist.all_reduce(gate_grad)
     return dict(out=out.detach(), x_grad=x.grad, gate_grad=gate_grad, cross=forward_bytes,

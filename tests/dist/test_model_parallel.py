@@ -1,7 +1,7 @@
 """TP (with and without sequence parallel), EP and TP+EP reproduce single-device training."""
 
 import pytest
-from dist_harness import assert_matches_reference, model_config, run_layout, reference_run
+from dist_harness import assert_matches_reference, model_config, reference_run, run_layout
 from dist_launcher import launch
 
 # fp32. Losses agree to ~1e-6; weights differ (measured <= 5.2e-5) where AdamW's m/(sqrt(v)+eps)
