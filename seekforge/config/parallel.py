@@ -33,7 +33,7 @@ def parse_parallel(spec: str) -> dict[str, Any]:
 
 @dataclass
 class ParallelConfig:
-    """How a model is laid out over ranks. world size = pp · dp_replicate · dp_shard · tp.
+    """How a model is laid out over ranks. world size = pp · dp_replicate · dp_shard · cp · tp.
 
     dp_replicate × dp_shard is HSDP (FSDP within a shard group, replicas across); dp_shard alone is
     FSDP. Expert parallelism borrows ranks from dp_shard (as in torchtitan): `ep` must divide it, and
@@ -50,6 +50,7 @@ class ParallelConfig:
     ep: int = 1
     ep_nodes: int = 1  # nodes the ep ranks are grouped into (hierarchical all-to-all when > 1)
     pp: int = 1
+    cp: int = 1  # context parallelism: ranks a sequence is split over (parallel/cp.py)
     sequence_parallel: bool = False  # with tp > 1: norms run on T/tp tokens (parallel/tp.py)
     pp_schedule: str = "1F1B"
     microbatches: int = 1  # pipeline micro-batches per step
@@ -59,7 +60,7 @@ class ParallelConfig:
     mixed_precision: str = "fp32"  # "bf16": bf16 params/compute with fp32 gradient reduction
 
     def __post_init__(self):
-        for key in ("dp_replicate", "dp_shard", "tp", "ep", "ep_nodes", "pp", "microbatches"):
+        for key in ("dp_replicate", "dp_shard", "tp", "ep", "ep_nodes", "pp", "cp", "microbatches"):
             value = getattr(self, key)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"ParallelConfig.{key}={value!r}: must be a positive integer")
@@ -76,6 +77,7 @@ class ParallelConfig:
         if self.ep % self.ep_nodes:
             raise ValueError(f"ep_nodes={self.ep_nodes} does not divide ep={self.ep}: every node holds the same "
                              f"number of expert-parallel ranks; pick ep_nodes in {_divisors(self.ep)}")
+        self._check_cp()
         # Checked here, not in validate: they need no model, so `plan schedule` applies them too.
         if self.pp > 1:
             if self.microbatches < self.pp:
@@ -84,6 +86,18 @@ class ParallelConfig:
             if self.pp_schedule == "DualPipeV" and self.microbatches < self.num_stages:
                 raise ValueError(f"DualPipeV needs microbatches >= num_stages={self.num_stages} (two stages per "
                                  f"pp rank); got {self.microbatches}: use microbatches >= {self.num_stages}")
+
+    def _check_cp(self) -> None:
+        """Context parallelism is its first step: alone, in fp32 (the rest of issue 44 comes later)."""
+        if self.cp == 1:
+            return
+        others = {k: getattr(self, k) for k in ("tp", "ep", "pp", "dp_replicate", "dp_shard") if getattr(self, k) > 1}
+        if others:
+            raise ValueError(f"cp={self.cp} with {others} is not supported yet: context parallelism runs alone "
+                             "for now (composition with TP/EP/PP/FSDP is issue 44's next step); set those to 1")
+        if self.mixed_precision != "fp32":
+            raise ValueError(f"cp={self.cp} with mixed_precision={self.mixed_precision!r} is not supported yet; "
+                             "use 'fp32'")
 
     @classmethod
     def from_table(cls, table: dict[str, Any]) -> ParallelConfig:
@@ -97,7 +111,7 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp_replicate * self.dp_shard * self.tp
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
 
     @property
     def stages_per_rank(self) -> int:
@@ -112,8 +126,8 @@ class ParallelConfig:
         if world_size != self.world_size:
             rest = self.world_size // self.dp_shard
             hint = f"dp_shard={world_size // rest}" if world_size % rest == 0 else "a layout whose product matches"
-            raise ValueError(f"pp*dp_replicate*dp_shard*tp = {self.pp}*{self.dp_replicate}*{self.dp_shard}*"
-                             f"{self.tp} = {self.world_size}, but the world size is {world_size}; "
+            raise ValueError(f"pp*dp_replicate*dp_shard*cp*tp = {self.pp}*{self.dp_replicate}*{self.dp_shard}*"
+                             f"{self.cp}*{self.tp} = {self.world_size}, but the world size is {world_size}; "
                              f"use {hint}")
         if model.num_attention_heads % self.tp:
             raise ValueError(f"tp={self.tp} does not divide num_attention_heads={model.num_attention_heads}; "

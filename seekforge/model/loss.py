@@ -37,20 +37,25 @@ def lm_loss(model, input_ids, labels, positions=None, segment_ids=None, mtp_loss
     return objective(model, h, input_ids, labels, rope, mask, segment_ids, mtp_loss_scale)
 
 
-def objective(head, h, input_ids, labels, rope, mask=None, segment_ids=None, mtp_loss_scale: float = 0.3):
+def objective(head, h, input_ids, labels, rope, mask=None, segment_ids=None, mtp_loss_scale: float = 0.3,
+              shifted=None, reduce=None):
     """The objective on the main model's last hidden state h (B, T, H), before the final norm.
     head: anything holding `norm`, `lm_head`, `mtp` and `embed_tokens` (a Transformer, or the last
-    pipeline stage); rope: (cos, sin) of the positions; mask: the attention mask the blocks used."""
+    pipeline stage); rope: (cos, sin) of the positions; mask: the attention mask the blocks used.
+    shifted, reduce: see mtp_losses; reduce(loss, labels) also rescales the next-token loss."""
     lm = head_loss(head.lm_head, head.norm(h), labels)
+    if reduce is not None:
+        lm = reduce(lm, labels)
     loss, metrics = lm, {"lm_loss": lm.detach()}
     if len(head.mtp) and mtp_loss_scale > 0:
-        mtp = torch.stack(mtp_losses(head, h, input_ids, labels, rope, mask, segment_ids)).mean()
+        mtp = torch.stack(mtp_losses(head, h, input_ids, labels, rope, mask, segment_ids, shifted, reduce)).mean()
         loss = loss + mtp_loss_scale * mtp
         metrics["mtp_loss"] = mtp.detach()
     return loss, metrics
 
 
-def mtp_losses(head, h, input_ids, labels, rope, mask=None, segment_ids=None) -> list[torch.Tensor]:
+def mtp_losses(head, h, input_ids, labels, rope, mask=None, segment_ids=None, shifted=None,
+               reduce=None) -> list[torch.Tensor]:
     """Cross-entropy of each MTP depth k = 1, 2, ...: module k combines the previous depth's hidden
     state at position t with the embedding of token t+k and predicts token t+k+1 (model.MTPModule).
 
@@ -59,14 +64,24 @@ def mtp_losses(head, h, input_ids, labels, rope, mask=None, segment_ids=None) ->
     SGLang's DeepSeek drafters feed the target's post-norm output instead; training on that made the
     pipeline + FSDP/EP and pipeline + TP runs drift from the single-device run (one MTP expert by
     1.4e-3 after 3 steps, seed-dependent), so it stays pre-norm until that is understood. Depth k > 1
-    takes depth k-1's output before that module's `norm`."""
+    takes depth k-1's output before that module's `norm`.
+
+    shifted: per depth, the (token t+k ids, targets) pairs computed on the full rows (`mtp_shifted`)
+    when these rows are slices of them (context parallelism: token t+k may sit on another rank);
+    reduce(loss, targets): rescales each depth's mean, e.g. to a share of the mean over all ranks."""
     cos, sin = rope
     losses = []
     for k, module in enumerate(head.mtp, start=1):
-        next_ids = shift_left(input_ids, k, 0)
+        next_ids, targets = shifted[k - 1] if shifted is not None else mtp_shifted(input_ids, labels, k, segment_ids)
         h = module(h, head.embed_tokens(next_ids), cos, sin, mask)
-        losses.append(head_loss(head.lm_head, module.norm(h), mtp_targets(labels, k, segment_ids)))
+        loss = head_loss(head.lm_head, module.norm(h), targets)
+        losses.append(loss if reduce is None else reduce(loss, targets))
     return losses
+
+
+def mtp_shifted(input_ids, labels, k: int, segment_ids=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depth k's inputs on full rows (B, T): the ids of token t+k (0 past the window) and the targets."""
+    return shift_left(input_ids, k, 0), mtp_targets(labels, k, segment_ids)
 
 
 def head_loss(lm_head: nn.Module, normed: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -241,7 +241,10 @@ class MLA(nn.Module):
     def forward(self, x, cos, sin, mask=None, kv_cache=None):
         """Without a cache: full sequences, causal (or `mask`). With one, the cache object stores this
         step's latents and attends over everything cached (`LatentCache` here; the serving engine's
-        paged cache has the same `attend` method)."""
+        paged cache has the same `attend` method). A `mask` with an `attend` method (context
+        parallelism's, parallel/cp.py) attends the same way: over the keys of every cp rank."""
+        if kv_cache is None and hasattr(mask, "attend"):
+            kv_cache = mask
         q_nope, q_pe = self.project_q(x, cos, sin)
         c_kv, k_pe = self.project_latent(x, cos, sin)
         if kv_cache is None:
@@ -437,9 +440,11 @@ class Transformer(nn.Module):
             MTPModule(cfg, cfg.num_hidden_layers + k) for k in range(cfg.num_nextn_predict_layers)
         )
 
-    def hidden(self, input_ids, positions=None, segment_ids=None, kv_caches=None):
+    def hidden(self, input_ids, positions=None, segment_ids=None, kv_caches=None, attention=None):
         """input_ids (B, T) → (hidden before the final norm (B, T, H), (cos, sin), mask).
-        kv_caches: one cache object per layer (see MLA.forward), for generation."""
+        kv_caches: one cache object per layer (see MLA.forward), for generation. attention: an object
+        with `attend(attn, q_nope, q_pe, c_kv, k_pe)` that every MLA uses instead of causal attention
+        over this row (context parallelism, parallel/cp.py); it is returned as the mask, so MTP uses it too."""
         if positions is None:
             start = kv_caches[0].length if kv_caches is not None else 0
             positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
@@ -448,6 +453,8 @@ class Transformer(nn.Module):
         if segment_ids is not None:  # on oneDNN, document lengths from a small set: its kernels are built once
             onednn_shapes = uses_onednn(input_ids.device, matmul_dtype(self.embed_tokens.weight))
             mask = DocumentLayout(segment_ids, onednn_size if onednn_shapes else None)
+        if attention is not None:
+            mask = attention
         x = self.embed_tokens(input_ids)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, mask, None if kv_caches is None else kv_caches[i])

@@ -14,6 +14,10 @@ DTensors from any of them), each with its dimensions outermost first:
 Expert parallelism borrows its ranks from dp_shard (dp_shard = dp_shard_mod_ep · ep): experts are
 split over ranks that see different data, and each expert's weights are FSDP-sharded over the
 dp_shard_mod_ep ranks holding the same experts (with dp_replicate: HSDP).
+
+Context parallelism (cp > 1, parallel/cp.py) adds a "cp" dimension just inside tp to the dense and
+batch views: dense pp × dp_replicate × dp_shard × cp × tp, batch pp × dp × cp × tp. With cp = 1
+the views are exactly as above.
 """
 
 from __future__ import annotations
@@ -59,12 +63,15 @@ def build_mesh(pc: ParallelConfig, model_cfg: ModelConfig, device_type: str | No
     if device_type is None:
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     world = init_device_mesh(device_type, (world_size,), mesh_dim_names=("world",))
-    dense = world._unflatten(0, (pc.pp, pc.dp_replicate, pc.dp_shard, pc.tp), ("pp", "dp_replicate", "dp_shard", "tp"))
+    cp_dim = ((pc.cp,), ("cp",)) if pc.cp > 1 else ((), ())  # context parallelism: just inside tp
+    dense = world._unflatten(0, (pc.pp, pc.dp_replicate, pc.dp_shard, *cp_dim[0], pc.tp),
+                             ("pp", "dp_replicate", "dp_shard", *cp_dim[1], "tp"))
     experts = None
     if pc.ep > 1:
         experts = world._unflatten(0, (pc.pp, pc.dp_replicate, pc.dp_shard // pc.ep, pc.ep, pc.tp),
                                    ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "tp"))
-    batch = world._unflatten(0, (pc.pp, pc.dp_replicate * pc.dp_shard, pc.tp), ("pp", "dp", "tp"))
+    batch = world._unflatten(0, (pc.pp, pc.dp_replicate * pc.dp_shard, *cp_dim[0], pc.tp),
+                             ("pp", "dp", *cp_dim[1], "tp"))
     nodes = None
     if pc.ep_nodes > 1:
         nodes = world._unflatten(0, (pc.pp, pc.dp_replicate, pc.dp_shard // pc.ep, pc.ep_nodes, pc.ep // pc.ep_nodes,

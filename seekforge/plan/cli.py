@@ -108,6 +108,8 @@ def _layout(spec: str, cfg: ModelConfig, **overrides) -> ParallelConfig:
     plan accepts, pretrain runs."""
     pc = ParallelConfig.from_table({**(parse_parallel(spec) if spec else {}), **overrides})
     pc.validate(pc.world_size, cfg)
+    if pc.cp > 1:
+        raise ValueError(f"cp={pc.cp}: plan does not model context parallelism yet; drop cp")
     return pc
 
 

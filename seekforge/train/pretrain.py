@@ -126,6 +126,9 @@ def parallel_layout(cfg: TrainConfig, model_cfg: ModelConfig, world_size: int) -
                              f"with torchrun --nproc-per-node {pc.world_size} -m seekforge.cli pretrain ...")
         return None
     pc.validate(world_size, model_cfg)
+    if pc.cp > 1:
+        raise ValueError(f"cp={pc.cp}: context parallelism is not wired into pretrain yet (parallel/cp.py's "
+                         "cp_lm_loss is its training step, tested alone); drop cp")
     dp = pc.dp_replicate * pc.dp_shard
     if cfg.micro_batch_size % dp:
         raise ValueError(f"micro_batch_size={cfg.micro_batch_size} (the global batch) does not split over "
