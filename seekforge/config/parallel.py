@@ -91,10 +91,10 @@ class ParallelConfig:
         """Context parallelism is its first step: alone, in fp32 (the rest of issue 44 comes later)."""
         if self.cp == 1:
             return
-        others = {k: getattr(self, k) for k in ("tp", "ep", "pp", "dp_replicate", "dp_shard") if getattr(self, k) > 1}
+        others = {k: getattr(self, k) for k in ("tp", "ep", "pp", "dp_replicate") if getattr(self, k) > 1}
         if others:
-            raise ValueError(f"cp={self.cp} with {others} is not supported yet: context parallelism runs alone "
-                             "for now (composition with TP/EP/PP/FSDP is issue 44's next step); set those to 1")
+            raise ValueError(f"cp={self.cp} with {others} is not supported yet: context parallelism runs alone or "
+                             "with FSDP (dp_shard) for now (TP/EP/PP/HSDP are issue 44's next step); set those to 1")
         if self.mixed_precision != "fp32":
             raise ValueError(f"cp={self.cp} with mixed_precision={self.mixed_precision!r} is not supported yet; "
                              "use 'fp32'")

@@ -15,7 +15,9 @@ per-block attention (online-softmax merging) is the better version, not written 
 
 The loss: each rank's cross-entropy means are rescaled to (its kept tokens / all kept tokens of the
 cp group), so the cp ranks' losses and gradients sum to the single device's; `all_reduce_grads` sums
-the gradients over cp after backward.
+the gradients over cp after backward. With FSDP (dp_shard > 1) the model is sharded over dp_shard × cp
+(parallel/mesh.py's dp_shard_cp) and FSDP's reduce-scatter averages over those dp·cp ranks: backward
+cp · loss then, and no all_reduce_grads.
 """
 
 from __future__ import annotations
@@ -89,7 +91,8 @@ class ContextParallelAttention:
 def cp_lm_loss(model, input_ids, labels, cp_mesh: DeviceMesh, mtp_loss_scale: float = 0.3):
     """lm_loss for one cp rank: input_ids, labels (B, T) are the FULL rows (the same on every cp rank);
     this rank forwards its chunks. Returns (loss, metrics) whose sum over the cp ranks is the
-    single-device loss; backward, then `all_reduce_grads`, gives its gradients."""
+    single-device loss; backward, then `all_reduce_grads`, gives its gradients. Under FSDP over
+    dp_shard × cp, backward `cp · loss` instead (FSDP averages over the cp ranks too)."""
     cp, rank, group = cp_mesh.size(), cp_mesh.get_local_rank(), cp_mesh.get_group()
     cfg = model.cfg
     depths = cfg.num_nextn_predict_layers if mtp_loss_scale > 0 else 0

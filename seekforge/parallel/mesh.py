@@ -16,7 +16,9 @@ split over ranks that see different data, and each expert's weights are FSDP-sha
 dp_shard_mod_ep ranks holding the same experts (with dp_replicate: HSDP).
 
 Context parallelism (cp > 1, parallel/cp.py) adds a "cp" dimension just inside tp to the dense and
-batch views: dense pp × dp_replicate × dp_shard × cp × tp, batch pp × dp × cp × tp. With cp = 1
+batch views: dense pp × dp_replicate × dp_shard × cp × tp, batch pp × dp × cp × tp, and a view
+pp × dp_replicate × dp_shard_cp × tp whose dp_shard_cp (dp_shard and cp flattened) FSDP shards over,
+as torchtitan does: the cp ranks' gradients are reduced with the data-parallel ones. With cp = 1
 the views are exactly as above.
 """
 
@@ -37,12 +39,13 @@ class ParallelMesh:
     mesh["dp_replicate", "dp_shard"]. `dense.mesh` is the rank grid (pp, dp_replicate, dp_shard, tp)."""
 
     def __init__(self, dense: DeviceMesh, experts: DeviceMesh | None, batch: DeviceMesh,
-                 nodes: DeviceMesh | None = None):
+                 nodes: DeviceMesh | None = None, context: DeviceMesh | None = None):
         self.dense, self.experts, self.batch, self.nodes = dense, experts, batch, nodes
+        self.context = context  # with cp > 1: pp × dp_replicate × dp_shard_cp × tp
 
     def __getitem__(self, names: str | tuple[str, ...]) -> DeviceMesh:
         wanted = (names,) if isinstance(names, str) else tuple(names)
-        for view in (self.dense, self.experts, self.batch, self.nodes):
+        for view in (self.dense, self.experts, self.batch, self.nodes, self.context):
             if view is not None and set(wanted) <= set(view.mesh_dim_names):
                 return view[names]
         raise KeyError(f"no mesh dimension(s) {wanted}")
@@ -76,7 +79,11 @@ def build_mesh(pc: ParallelConfig, model_cfg: ModelConfig, device_type: str | No
     if pc.ep_nodes > 1:
         nodes = world._unflatten(0, (pc.pp, pc.dp_replicate, pc.dp_shard // pc.ep, pc.ep_nodes, pc.ep // pc.ep_nodes,
                                      pc.tp), ("pp", "dp_replicate", "dp_shard_mod_ep", "ep_node", "ep_local", "tp"))
-    return ParallelMesh(dense, experts, batch, nodes)
+    context = None
+    if pc.cp > 1:
+        context = world._unflatten(0, (pc.pp, pc.dp_replicate, pc.dp_shard * pc.cp, pc.tp),
+                                   ("pp", "dp_replicate", "dp_shard_cp", "tp"))
+    return ParallelMesh(dense, experts, batch, nodes, context)
 
 
 def init_distributed(backend: str | None = None, timeout_s: float | None = None) -> None:
