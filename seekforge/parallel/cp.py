@@ -93,6 +93,9 @@ def cp_lm_loss(model, input_ids, labels, cp_mesh: DeviceMesh, mtp_loss_scale: fl
     this rank forwards its chunks. Returns (loss, metrics) whose sum over the cp ranks is the
     single-device loss; backward, then `all_reduce_grads`, gives its gradients. Under FSDP over
     dp_shard × cp, backward `cp · loss` instead (FSDP averages over the cp ranks too)."""
+    if any(moe.aux_loss_coeff > 0 for moe in model.moe_layers()):
+        raise ValueError("context parallelism with the sequence-wise balance loss (aux_loss_coeff > 0) is not "
+                         "supported yet: each cp rank would score its own chunks as the sequence; set it to 0")
     cp, rank, group = cp_mesh.size(), cp_mesh.get_local_rank(), cp_mesh.get_group()
     cfg = model.cfg
     depths = cfg.num_nextn_predict_layers if mtp_loss_scale > 0 else 0
