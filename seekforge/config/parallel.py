@@ -42,6 +42,11 @@ class ParallelConfig:
     ep_nodes > 1 groups the ep ranks into that many nodes of consecutive ranks, and the expert
     all-to-all becomes hierarchical (parallel/ep.py's HierarchicalDispatcher): a token crosses to
     another node once per destination node, then an intra-node all-to-all reaches the experts.
+
+    etp > 1 is expert tensor parallelism (Megatron's expert_tensor_parallel_size): etp ranks, also
+    borrowed from dp_shard, hold the same experts and split each one's intermediate dimension (gate
+    and up by columns, down by rows); the all-to-all runs over the ep ranks only (parallel/ep.py's
+    EtpDispatcher). dp_shard must be a multiple of ep · etp.
     """
 
     dp_replicate: int = 1
@@ -49,6 +54,7 @@ class ParallelConfig:
     tp: int = 1
     ep: int = 1
     ep_nodes: int = 1  # nodes the ep ranks are grouped into (hierarchical all-to-all when > 1)
+    etp: int = 1  # expert tensor parallelism: ranks splitting each expert's intermediate dim (needs ep > 1)
     pp: int = 1
     cp: int = 1  # context parallelism: ranks a sequence is split over (parallel/cp.py)
     sequence_parallel: bool = False  # with tp > 1: norms run on T/tp tokens (parallel/tp.py)
@@ -60,7 +66,7 @@ class ParallelConfig:
     mixed_precision: str = "fp32"  # "bf16": bf16 params/compute with fp32 gradient reduction
 
     def __post_init__(self):
-        for key in ("dp_replicate", "dp_shard", "tp", "ep", "ep_nodes", "pp", "cp", "microbatches"):
+        for key in ("dp_replicate", "dp_shard", "tp", "ep", "ep_nodes", "etp", "pp", "cp", "microbatches"):
             value = getattr(self, key)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"ParallelConfig.{key}={value!r}: must be a positive integer")
@@ -78,6 +84,8 @@ class ParallelConfig:
             raise ValueError(f"ep_nodes={self.ep_nodes} does not divide ep={self.ep}: every node holds the same "
                              f"number of expert-parallel ranks; pick ep_nodes in {_divisors(self.ep)}")
         self._check_cp()
+        if self.etp > 1:
+            self._check_etp()
         # Checked here, not in validate: they need no model, so `plan schedule` applies them too.
         if self.pp > 1:
             if self.microbatches < self.pp:
@@ -98,6 +106,19 @@ class ParallelConfig:
         if self.mixed_precision != "fp32":
             raise ValueError(f"cp={self.cp} with mixed_precision={self.mixed_precision!r} is not supported yet; "
                              "use 'fp32'")
+
+    def _check_etp(self) -> None:
+        """Expert-TP splits each expert-parallel rank's experts over etp more data-parallel ranks."""
+        if self.ep == 1:
+            raise ValueError(f"etp={self.etp} needs ep > 1: expert-TP splits the experts of each expert-parallel "
+                             "rank; set ep (e.g. ep=2) or drop etp")
+        if self.ep_nodes > 1:
+            raise ValueError(f"etp={self.etp} with ep_nodes={self.ep_nodes} is not supported (the hierarchical "
+                             "all-to-all has no expert-TP path); use ep_nodes=1 or etp=1")
+        if self.dp_shard % (self.ep * self.etp):
+            raise ValueError(f"ep*etp = {self.ep}*{self.etp} = {self.ep * self.etp} does not divide dp_shard="
+                             f"{self.dp_shard}: both borrow data-parallel ranks; raise dp_shard to a multiple of "
+                             f"{self.ep * self.etp} or pick etp in {_divisors(self.dp_shard // self.ep)}")
 
     @classmethod
     def from_table(cls, table: dict[str, Any]) -> ParallelConfig:
@@ -142,6 +163,9 @@ class ParallelConfig:
         if self.ep > 1 and model.n_routed_experts % self.ep:
             raise ValueError(f"ep={self.ep} does not divide n_routed_experts={model.n_routed_experts}; "
                              f"pick ep in {_divisors(model.n_routed_experts)}")
+        if self.etp > 1 and model.moe_intermediate_size % self.etp:
+            raise ValueError(f"etp={self.etp} does not divide moe_intermediate_size={model.moe_intermediate_size}; "
+                             f"pick etp in {_divisors(model.moe_intermediate_size)}")
         if self.pp > 1:
             if self.num_stages > model.num_hidden_layers:
                 raise ValueError(f"pp={self.pp} with {self.pp_schedule} needs {self.num_stages} stages but the "

@@ -196,6 +196,17 @@ def gather_copies(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, k
     return _GatherCopies.apply(x, index, inverse, k)
 
 
+def intermediate_slice(gate_up: torch.Tensor, down: torch.Tensor, rank: int, size: int):
+    """Expert-TP's share of stacked expert weights: gate_up (L, 2I, H) stacks gate rows then up rows, so
+    each half is sliced (slicing the stack would give one rank all of gate) → (L, 2I/size, H) as
+    [gate slice; up slice], so swiglu's halves still pair up; down (L, H, I) → (L, H, I/size)."""
+    num, two_inter, hidden = gate_up.shape
+    part = two_inter // 2 // size
+    cols = slice(rank * part, (rank + 1) * part)
+    gate_up = gate_up.view(num, 2, two_inter // 2, hidden)[:, :, cols].reshape(num, 2 * part, hidden)
+    return gate_up, down[:, :, cols].contiguous()
+
+
 class GroupedExperts(nn.Module):
     """All routed experts as stacked weights (HF's internal layout): one GEMM per projection."""
 
@@ -203,12 +214,18 @@ class GroupedExperts(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))  # (E, 2I, H)
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))  # (E, H, I)
+        # (rank, size) under expert-TP (parallel/ep.py's EtpDispatcher): the GEMMs use this rank's I/size
+        # columns of gate and of up and rows of down; the partial outputs are summed over the etp ranks.
+        self.etp_slice: tuple[int, int] | None = None
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """x (S, H) sorted by expert → (S, H). parallel/ep.py stores the stacked weights as DTensors
         sharded over experts; the GEMMs run on this rank's experts (the dispatcher brought their tokens)."""
-        gate_up = grouped_mm(x, local_tensor(self.gate_up_proj), num_tokens_per_expert)  # (S, 2I)
-        return grouped_mm(swiglu(gate_up), local_tensor(self.down_proj), num_tokens_per_expert)
+        gate_up_w, down_w = local_tensor(self.gate_up_proj), local_tensor(self.down_proj)
+        if self.etp_slice is not None:
+            gate_up_w, down_w = intermediate_slice(gate_up_w, down_w, *self.etp_slice)
+        gate_up = grouped_mm(x, gate_up_w, num_tokens_per_expert)  # (S, 2I) (2I/etp under expert-TP)
+        return grouped_mm(swiglu(gate_up), down_w, num_tokens_per_expert)
 
     def forward_one_token(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """Decoding one token without autograd: x (1, H), router weights and indices (1, K) → the weighted

@@ -268,6 +268,60 @@ class HierarchicalDispatcher:
             self.cross_node_bytes += sent
 
 
+class EtpDispatcher:
+    """Expert-TP around an ep dispatcher (Megatron's expert_tensor_parallel_size): the etp ranks of one
+    ep rank hold the same experts, each computing with its I/etp slice (GroupedExperts.etp_slice).
+
+    They come from the data-parallel ranks, so each receives its own copies from the ep all-to-all;
+    `wait` all-gathers them over the etp group (every etp rank then runs the same rows, T = Σ R_j of
+    the group, expert-major), and `combine` sums the partial down outputs over etp, each rank keeping
+    its own rows (a reduce-scatter), before the ep dispatcher's combine. Both are uneven all-to-alls
+    (the R_j differ), differentiable as `all_to_all` is: the gather's backward sums the gradients.
+    """
+
+    def __init__(self, inner, etp_group):
+        self.inner, self.group = inner, etp_group
+        self.etp, self.rank = dist.get_world_size(etp_group), dist.get_rank(etp_group)
+
+    def __getattr__(self, name):  # sent_bytes, wait_seconds, ...: the ep dispatcher's counters
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def __setattr__(self, name, value):
+        if name in ("inner", "group", "etp", "rank") or "inner" not in self.__dict__:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.inner, name, value)
+
+    def dispatch(self, x: torch.Tensor, indices: torch.Tensor, num_experts: int):
+        """As the ep dispatcher's, with tokens per local expert summed over the etp group (L,)."""
+        received, counts, state = self.inner.dispatch(x, indices, num_experts)
+        all_counts = counts.new_empty(self.etp * counts.shape[0])
+        dist.all_gather_single(all_counts, counts, group=self.group)
+        all_counts = all_counts.view(self.etp, -1)  # (etp, L) [etp rank, local expert]
+        rows = all_counts.sum(1).tolist()  # R_j per etp rank
+        segment = torch.arange(all_counts.numel(), device=x.device).repeat_interleave(all_counts.reshape(-1))
+        num_local = counts.shape[0]
+        expert_major = ((segment % num_local) * self.etp + segment // num_local).argsort(stable=True)  # (T,)
+        return received, all_counts.sum(0), (state, rows, expert_major)
+
+    def wait(self, received: torch.Tensor, state) -> torch.Tensor:
+        """→ the etp group's copies (T, H), expert-major."""
+        inner_state, rows, expert_major = state
+        mine = self.inner.wait(received, inner_state)  # (R, H)
+        gather = _InFlight(self.group, [rows[self.rank]] * self.etp, rows)
+        return all_to_all(mine.repeat(self.etp, 1), gather)[expert_major]
+
+    def combine(self, y: torch.Tensor, state, weights: torch.Tensor) -> torch.Tensor:
+        """y (T, H) partial outputs, expert-major → (N, H)."""
+        inner_state, rows, expert_major = state
+        y = torch.empty_like(y).index_copy(0, expert_major, y)  # back to (etp rank, expert) order
+        mine = rows[self.rank]
+        y = all_to_all(y, _InFlight(self.group, rows, [mine] * self.etp))  # (etp·R, H): every rank's part
+        return self.inner.combine(y.view(self.etp, mine, y.shape[-1]).sum(0), inner_state, weights)
+
+
 def nodes_per_token(cfg, ep_nodes: int) -> int:
     """The most nodes one token's copies reach. Groups are contiguous ranges of E/n_group experts and a
     node holds E/ep_nodes contiguous experts, so when ep_nodes divides n_group every group lies within
@@ -279,10 +333,14 @@ def nodes_per_token(cfg, ep_nodes: int) -> int:
     return bound
 
 
-def apply_ep(model: torch.nn.Module, ep_mesh: DeviceMesh, node_mesh: DeviceMesh | None = None) -> None:
+def apply_ep(model: torch.nn.Module, ep_mesh: DeviceMesh, node_mesh: DeviceMesh | None = None,
+             etp_mesh: DeviceMesh | None = None) -> None:
     """Keep E/ep experts per rank (stacked weights become DTensors sharded on the expert dim, so
     checkpoints see the global tensor) and route tokens with all-to-alls over `ep_mesh`; with
-    `node_mesh` (the ep ranks as ep_node × ep_local, parallel/mesh.py) hierarchically, node to node."""
+    `node_mesh` (the ep ranks as ep_node × ep_local, parallel/mesh.py) hierarchically, node to node.
+    With `etp_mesh` (expert-TP, size > 1) the etp ranks split each expert's GEMMs (EtpDispatcher); the
+    weights stay whole per etp rank (FSDP shards them over dp_shard_mod_ep, which holds the etp ranks,
+    and sums the gradients each rank wrote into its slice), so checkpoints are those of plain ep."""
     rank, ep = ep_mesh.get_local_rank(), ep_mesh.size()
     for moe in [m for m in model.modules() if isinstance(m, MoE)]:
         experts = moe.experts
@@ -296,3 +354,6 @@ def apply_ep(model: torch.nn.Module, ep_mesh: DeviceMesh, node_mesh: DeviceMesh 
         else:
             moe.dispatcher = HierarchicalDispatcher(ep_mesh.get_group(), node_mesh["ep_node"].get_group(),
                                                     node_mesh["ep_local"].get_group(), moe.cfg.n_routed_experts)
+        if etp_mesh is not None and etp_mesh.size() > 1:
+            experts.etp_slice = (etp_mesh.get_local_rank(), etp_mesh.size())
+            moe.dispatcher = EtpDispatcher(moe.dispatcher, etp_mesh.get_group())

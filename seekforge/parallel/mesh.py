@@ -10,6 +10,9 @@ DTensors from any of them), each with its dimensions outermost first:
             the ep dimension split into nodes of consecutive ep ranks (built when ep_nodes > 1):
             mesh["ep_node"] joins the ranks of one local index across nodes (the rails that cross
             node boundaries), mesh["ep_local"] the ranks of one node (parallel/ep.py)
+    etp     pp × dp_replicate × dp_shard_mod_etp × etp × ep × tp
+            dp_shard_mod_ep split as dp_shard_mod_etp × etp (built when etp > 1): mesh["etp"] joins the
+            ranks holding the same experts that split each expert's GEMMs (parallel/ep.py's EtpDispatcher)
 
 Expert parallelism borrows its ranks from dp_shard (dp_shard = dp_shard_mod_ep · ep): experts are
 split over ranks that see different data, and each expert's weights are FSDP-sharded over the
@@ -39,13 +42,14 @@ class ParallelMesh:
     mesh["dp_replicate", "dp_shard"]. `dense.mesh` is the rank grid (pp, dp_replicate, dp_shard, tp)."""
 
     def __init__(self, dense: DeviceMesh, experts: DeviceMesh | None, batch: DeviceMesh,
-                 nodes: DeviceMesh | None = None, context: DeviceMesh | None = None):
+                 nodes: DeviceMesh | None = None, context: DeviceMesh | None = None, etp: DeviceMesh | None = None):
         self.dense, self.experts, self.batch, self.nodes = dense, experts, batch, nodes
         self.context = context  # with cp > 1: pp × dp_replicate × dp_shard_cp × tp
+        self.etp = etp  # with etp > 1: pp × dp_replicate × dp_shard_mod_etp × etp × ep × tp
 
     def __getitem__(self, names: str | tuple[str, ...]) -> DeviceMesh:
         wanted = (names,) if isinstance(names, str) else tuple(names)
-        for view in (self.dense, self.experts, self.batch, self.nodes, self.context):
+        for view in (self.dense, self.experts, self.batch, self.nodes, self.context, self.etp):
             if view is not None and set(wanted) <= set(view.mesh_dim_names):
                 return view[names]
         raise KeyError(f"no mesh dimension(s) {wanted}")
@@ -83,7 +87,11 @@ def build_mesh(pc: ParallelConfig, model_cfg: ModelConfig, device_type: str | No
     if pc.cp > 1:
         context = world._unflatten(0, (pc.pp, pc.dp_replicate, pc.dp_shard * pc.cp, pc.tp),
                                    ("pp", "dp_replicate", "dp_shard_cp", "tp"))
-    return ParallelMesh(dense, experts, batch, nodes, context)
+    etp = None
+    if pc.etp > 1:
+        etp = world._unflatten(0, (pc.pp, pc.dp_replicate, pc.dp_shard // (pc.ep * pc.etp), pc.etp, pc.ep, pc.tp),
+                               ("pp", "dp_replicate", "dp_shard_mod_etp", "etp", "ep", "tp"))
+    return ParallelMesh(dense, experts, batch, nodes, context, etp)
 
 
 def init_distributed(backend: str | None = None, timeout_s: float | None = None) -> None:

@@ -25,7 +25,8 @@ def parallelize(model: nn.Module, pc: ParallelConfig, mesh: DeviceMesh) -> nn.Mo
     if pc.tp > 1:
         apply_tp(model, mesh["tp"], pc.sequence_parallel)
     if pc.ep > 1:
-        apply_ep(model, mesh["ep"], mesh["ep_node", "ep_local"] if pc.ep_nodes > 1 else None)
+        apply_ep(model, mesh["ep"], mesh["ep_node", "ep_local"] if pc.ep_nodes > 1 else None,
+                 mesh["etp"] if pc.etp > 1 else None)
     if pc.recompute != "none":
         apply_recompute(model, pc.recompute)
     if pc.compile:
