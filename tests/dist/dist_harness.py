@@ -167,3 +167,19 @@ class OverlapRecord(list):
 
     def stop(self) -> None:
         self._flight.start, self._flight.wait = self._originals
+
+
+def resume_in_another_layout(tmp_path, saved: tuple[int, dict], resumed: tuple[int, dict], loss_tol: float,
+                             weight_tol: float, steps: int = 3, save_at: int = 2) -> float:
+    """Train `save_at` steps under saved = (world, ParallelConfig kwargs) and checkpoint, resume under `resumed`
+    to `steps`: the loaded weights equal the saved ones exactly and the continued run matches the single-device
+    reference. → the largest weight difference from it."""
+    from dist_launcher import launch
+
+    ref_losses, ref_state = reference_run(model_config(), steps=steps)
+    ckpt = str(tmp_path / "checkpoints")
+    before = launch(run_layout, saved[0], {}, saved[1], (0, save_at), None, ckpt)
+    after = launch(run_layout, resumed[0], {}, resumed[1], (save_at, steps), ckpt, None)
+    for k, v in before[0]["weights"].items():
+        torch.testing.assert_close(after[0]["loaded_weights"][k], v, rtol=0, atol=0, msg=k)
+    return assert_matches_reference(after, (ref_losses[save_at:], ref_state), loss_tol, weight_tol)
