@@ -155,5 +155,5 @@ def test_checkpoint_saved_over_2_nodes_resumes_flat(tmp_path):
     """The expert weights are the same ep-sharded DTensors either way: a checkpoint saved under
     ep=4 over 2 nodes resumes under flat ep=2, and the continued run matches the uninterrupted one."""
     worst = resume_in_another_layout(tmp_path, (WORLD, dict(dp_shard=4, ep=4, ep_nodes=2)), (2, dict(dp_shard=2, ep=2)),
-                                     TOL, 1e-4)
+                                     TOL, TOL)
     print(f"resumed flat from the 2-node layout: max weight diff {worst:.2e}")

@@ -4,10 +4,9 @@ import pytest
 from dist_harness import assert_matches_reference, model_config, reference_run, run_layout
 from dist_launcher import launch
 
-# fp32. Losses agree to ~1e-6; weights differ (measured <= 5.2e-5) where AdamW's m/(sqrt(v)+eps)
-# amplifies reduction-order noise in near-zero gradients. A real gradient error moves weights by
-# about lr = 1e-3 per step.
-LOSS_TOL, WEIGHT_TOL = 1e-5, 1e-4
+# fp32, 3 steps. Weights at 1e-5 too: dist_harness.make_optimizer's eps keeps AdamW from amplifying
+# reduction-order noise in near-zero gradients; a real gradient error moves weights by about lr = 1e-3 a step.
+LOSS_TOL, WEIGHT_TOL = 1e-5, 1e-5
 LAYERS = 4  # V and interleaved schedules need 2 stages per rank, each with a layer
 
 
