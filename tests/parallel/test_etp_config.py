@@ -1,12 +1,13 @@
-"""`etp` (expert tensor parallelism): config checks, the --parallel parser, and the weight slices each etp
-rank computes with summing to the whole expert. No process groups."""
+"""`etp` (expert tensor parallelism): config checks, the --parallel parser, and the weight shards each etp
+rank stores computing the whole expert. No process groups."""
 
 import pytest
 import torch
 
 from seekforge.config import ParallelConfig, preset
 from seekforge.config.parallel import parse_parallel
-from seekforge.model.moe import GroupedExperts, intermediate_slice
+from seekforge.model.moe import GroupedExperts, grouped_mm, swiglu
+from seekforge.parallel.ep import fused_routes
 
 
 @pytest.mark.parametrize("layout, message", [
@@ -34,20 +35,30 @@ def test_parser_accepts_etp():
     assert ParallelConfig().etp == 1
 
 
-@pytest.mark.parametrize("size", [2, 4])
-def test_etp_slices_sum_to_the_whole_expert(size):
-    """Each rank's gate and up columns (not a slice of the stacked gate_up) and down rows: the partial
-    outputs sum to the unsplit experts' output."""
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_etp_shards_compute_the_whole_expert(size):
+    """Each etp rank stores a contiguous 1/size of the fused gate_up rows and of down's columns (apply_ep);
+    the first GEMM's pieces routed by fused_routes (an all-to-all, simulated here) give every rank the
+    gate and up columns of its own slice, and the partial outputs sum to the unsplit experts' output."""
     torch.manual_seed(0)
-    experts = GroupedExperts(3, 16, 8)
+    inter = 12
+    experts = GroupedExperts(3, 16, inter)
     for p in experts.parameters():
         torch.nn.init.normal_(p, std=0.3)
     x, counts = torch.randn(10, 16), torch.tensor([4, 0, 6])
     whole = experts(x, counts)
+    p = inter // size
+    routes = [fused_routes(size, q) for q in range(size)]
+    outbox = []  # outbox[q][r]: rows rank q sends rank r
+    for q, (order, send, _) in enumerate(routes):
+        stored = experts.gate_up_proj.chunk(size, dim=1)[q]  # (E, 2P, H): fused rows [2qP, 2(q+1)P)
+        pieces = grouped_mm(x, stored, counts).view(10, 2, p).transpose(0, 1)[order].reshape(20, p)
+        outbox.append(pieces.split([n * 10 for n in send]))
     parts = []
-    for rank in range(size):
-        experts.etp_slice = (rank, size)
-        parts.append(experts(x, counts))
-        gate_up, down = intermediate_slice(experts.gate_up_proj, experts.down_proj, rank, size)
-        assert gate_up.shape == (3, 16 // size, 16) and down.shape == (3, 16, 8 // size)
+    for r, (_, _, recv) in enumerate(routes):
+        assert recv == [len(outbox[q][r]) // 10 for q in range(size)]
+        mine = torch.cat([outbox[q][r] for q in range(size)])  # (2·10, P) by source rank: gate, then up
+        gate_up = torch.cat((mine[:10], mine[10:]), dim=-1)
+        torch.testing.assert_close(gate_up[:, :p], grouped_mm(x, experts.gate_up_proj[:, r * p:(r + 1) * p], counts))
+        parts.append(grouped_mm(swiglu(gate_up), experts.down_proj.chunk(size, dim=2)[r], counts))
     torch.testing.assert_close(sum(parts), whole, rtol=1e-5, atol=1e-5)
