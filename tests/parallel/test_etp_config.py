@@ -8,6 +8,8 @@ from seekforge.config import ParallelConfig, preset
 from seekforge.config.parallel import parse_parallel
 from seekforge.model.moe import GroupedExperts, grouped_mm, swiglu
 from seekforge.parallel.ep import fused_routes
+from seekforge.parallel.layout import describe_layout
+from seekforge.parallel.materialize import dry_run
 
 
 @pytest.mark.parametrize("layout, message", [
@@ -27,6 +29,18 @@ def test_etp_must_divide_moe_intermediate_size():
     ParallelConfig(dp_shard=8, ep=2, etp=4).validate(8, cfg)
     with pytest.raises(ValueError, match=r"etp=3 does not divide moe_intermediate_size=32"):
         ParallelConfig(dp_shard=6, ep=2, etp=3).validate(6, cfg)
+
+
+def test_etp_layout_matches_the_meta_build():
+    """The described layout (what `plan` and checkpoints' layout.json use) splits experts on etp too, and a
+    meta build of every rank under a fake process group holds exactly its boxes (dry_run raises otherwise)."""
+    cfg, pc = preset("tiny"), ParallelConfig(dp_shard=8, ep=2, etp=2)
+    for rank in range(pc.world_size):
+        dry_run(cfg, pc, rank)
+    tensors = describe_layout(cfg, pc).tensors
+    for name, dim in (("gate_up_proj", 1), ("down_proj", 2)):
+        placement = tensors[f"layers.1.mlp.experts.{name}"].placements[0].describe()
+        assert placement.startswith(f"S0(ep,dp_shard_mod_etp) S{dim}(etp)"), placement
 
 
 def test_parser_accepts_etp():
