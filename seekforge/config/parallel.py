@@ -45,8 +45,8 @@ class ParallelConfig:
 
     etp > 1 is expert tensor parallelism (Megatron's expert_tensor_parallel_size): etp ranks, also
     borrowed from dp_shard, hold the same experts and split each one's intermediate dimension (gate
-    and up by columns, down by rows); the all-to-all runs over the ep ranks only (parallel/ep.py's
-    EtpDispatcher). dp_shard must be a multiple of ep · etp.
+    and up by columns, down by rows), each storing only its 1/etp; the all-to-all runs over the ep
+    ranks only (parallel/ep.py's EtpDispatcher). dp_shard must be a multiple of ep · etp.
     """
 
     dp_replicate: int = 1

@@ -12,6 +12,8 @@ finishes it; the shared experts run in between. The experts and the router do no
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -196,17 +198,6 @@ def gather_copies(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, k
     return _GatherCopies.apply(x, index, inverse, k)
 
 
-def intermediate_slice(gate_up: torch.Tensor, down: torch.Tensor, rank: int, size: int):
-    """Expert-TP's share of stacked expert weights: gate_up (L, 2I, H) stacks gate rows then up rows, so
-    each half is sliced (slicing the stack would give one rank all of gate) → (L, 2I/size, H) as
-    [gate slice; up slice], so swiglu's halves still pair up; down (L, H, I) → (L, H, I/size)."""
-    num, two_inter, hidden = gate_up.shape
-    part = two_inter // 2 // size
-    cols = slice(rank * part, (rank + 1) * part)
-    gate_up = gate_up.view(num, 2, two_inter // 2, hidden)[:, :, cols].reshape(num, 2 * part, hidden)
-    return gate_up, down[:, :, cols].contiguous()
-
-
 class GroupedExperts(nn.Module):
     """All routed experts as stacked weights (HF's internal layout): one GEMM per projection."""
 
@@ -214,18 +205,20 @@ class GroupedExperts(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))  # (E, 2I, H)
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))  # (E, H, I)
-        # (rank, size) under expert-TP (parallel/ep.py's EtpDispatcher): the GEMMs use this rank's I/size
-        # columns of gate and of up and rows of down; the partial outputs are summed over the etp ranks.
-        self.etp_slice: tuple[int, int] | None = None
+        # Under expert-TP (parallel/ep.py's apply_ep) the weights are this rank's contiguous 1/etp of the fused
+        # gate_up rows and of down's columns, and this maps the first GEMM's output over the stored fused rows
+        # (S, 2I/etp) to [gate | up] of the rank's own I/etp slice (an exchange within the etp group: a
+        # contiguous share of [gate; up] holds other ranks' halves). None: no expert-TP.
+        self.etp_exchange: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """x (S, H) sorted by expert → (S, H). parallel/ep.py stores the stacked weights as DTensors
         sharded over experts; the GEMMs run on this rank's experts (the dispatcher brought their tokens)."""
         gate_up_w, down_w = local_tensor(self.gate_up_proj), local_tensor(self.down_proj)
-        if self.etp_slice is not None:
-            gate_up_w, down_w = intermediate_slice(gate_up_w, down_w, *self.etp_slice)
-        gate_up = grouped_mm(x, gate_up_w, num_tokens_per_expert)  # (S, 2I) (2I/etp under expert-TP)
-        return grouped_mm(swiglu(gate_up), down_w, num_tokens_per_expert)
+        gate_up = grouped_mm(x, gate_up_w, num_tokens_per_expert)  # (S, 2I); expert-TP: (S, 2I/etp), stored rows
+        if self.etp_exchange is not None:
+            gate_up = self.etp_exchange(gate_up)  # (S, 2I/etp): [gate | up] of this rank's I/etp slice
+        return grouped_mm(swiglu(gate_up), down_w, num_tokens_per_expert)  # expert-TP: partial sums over etp
 
     def forward_one_token(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """Decoding one token without autograd: x (1, H), router weights and indices (1, K) → the weighted

@@ -270,18 +270,21 @@ class HierarchicalDispatcher:
 
 class EtpDispatcher:
     """Expert-TP around an ep dispatcher (Megatron's expert_tensor_parallel_size): the etp ranks of one
-    ep rank hold the same experts, each computing with its I/etp slice (GroupedExperts.etp_slice).
+    ep rank hold the same experts, each storing 1/etp of every expert (apply_ep) and computing its I/etp
+    slice of the intermediate dim.
 
     They come from the data-parallel ranks, so each receives its own copies from the ep all-to-all;
     `wait` all-gathers them over the etp group (every etp rank then runs the same rows, T = Σ R_j of
-    the group, expert-major), and `combine` sums the partial down outputs over etp, each rank keeping
-    its own rows (a reduce-scatter), before the ep dispatcher's combine. Both are uneven all-to-alls
-    (the R_j differ), differentiable as `all_to_all` is: the gather's backward sums the gradients.
+    the group, expert-major), `exchange` hands each rank the gate and up columns of its own slice, and
+    `combine` sums the partial down outputs over etp, each rank keeping its own rows (a reduce-scatter),
+    before the ep dispatcher's combine. All are uneven all-to-alls (the R_j differ), differentiable as
+    `all_to_all` is: the gather's backward sums the gradients.
     """
 
     def __init__(self, inner, etp_group):
         self.inner, self.group = inner, etp_group
         self.etp, self.rank = dist.get_world_size(etp_group), dist.get_rank(etp_group)
+        self.routes = fused_routes(self.etp, self.rank)
 
     def __getattr__(self, name):  # sent_bytes, wait_seconds, ...: the ep dispatcher's counters
         if name == "inner":
@@ -289,7 +292,7 @@ class EtpDispatcher:
         return getattr(self.inner, name)
 
     def __setattr__(self, name, value):
-        if name in ("inner", "group", "etp", "rank") or "inner" not in self.__dict__:
+        if name in ("inner", "group", "etp", "rank", "routes") or "inner" not in self.__dict__:
             object.__setattr__(self, name, value)
         else:
             setattr(self.inner, name, value)
@@ -321,6 +324,30 @@ class EtpDispatcher:
         y = all_to_all(y, _InFlight(self.group, rows, [mine] * self.etp))  # (etp·R, H): every rank's part
         return self.inner.combine(y.view(self.etp, mine, y.shape[-1]).sum(0), inner_state, weights)
 
+    def exchange(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up (T, 2P), P = I/etp: the first GEMM's output over this rank's stored rows of the fused
+        [gate; up] weight → (T, 2P) [gate | up] of this rank's own slice (see `fused_routes`)."""
+        t, p = gate_up.shape[0], gate_up.shape[1] // 2
+        order, send, recv = self.routes
+        pieces = gate_up.view(t, 2, p).transpose(0, 1)[order].reshape(2 * t, p)  # (2T, P) by destination rank
+        mine = all_to_all(pieces, _InFlight(self.group, [n * t for n in send], [n * t for n in recv]))
+        return torch.cat((mine[:t], mine[t:]), dim=-1)  # gate arrives before up: from a lower etp rank
+
+
+def fused_routes(etp: int, rank: int) -> tuple[list[int], list[int], list[int]]:
+    """Where expert-TP's pieces of the fused gate_up go. The fused rows [gate; up] (2I) are 2·etp pieces
+    of P = I/etp rows: piece k < etp is gate's slice k, piece etp + k up's slice k. Etp rank q stores
+    rows [2qP, 2(q+1)P), the pieces 2q and 2q+1 (a contiguous Shard, what checkpoints and the Layout
+    describe); slice r's owner is rank r, so piece k goes to rank k mod etp. Rank r receives gate's
+    slice r from rank ⌊r/2⌋ and up's from rank ⌊(etp+r)/2⌋, a higher rank when etp > 1: all-to-all
+    output is ordered by source, so gate comes first.
+    → (this rank's two pieces ordered by destination, pieces sent to each rank, pieces received from each)."""
+    dest = [(2 * rank) % etp, (2 * rank + 1) % etp]
+    order = sorted(range(2), key=dest.__getitem__)
+    send = [dest.count(d) for d in range(etp)]
+    recv = [(rank // 2 == s) + ((etp + rank) // 2 == s) for s in range(etp)]
+    return order, send, recv
+
 
 def nodes_per_token(cfg, ep_nodes: int) -> int:
     """The most nodes one token's copies reach. Groups are contiguous ranges of E/n_group experts and a
@@ -338,22 +365,31 @@ def apply_ep(model: torch.nn.Module, ep_mesh: DeviceMesh, node_mesh: DeviceMesh 
     """Keep E/ep experts per rank (stacked weights become DTensors sharded on the expert dim, so
     checkpoints see the global tensor) and route tokens with all-to-alls over `ep_mesh`; with
     `node_mesh` (the ep ranks as ep_node × ep_local, parallel/mesh.py) hierarchically, node to node.
-    With `etp_mesh` (expert-TP, size > 1) the etp ranks split each expert's GEMMs (EtpDispatcher); the
-    weights stay whole per etp rank (FSDP shards them over dp_shard_mod_ep, which holds the etp ranks,
-    and sums the gradients each rank wrote into its slice), so checkpoints are those of plain ep."""
+    With `etp_mesh` (expert-TP: the etp × ep mesh of parallel/mesh.py's etp view, etp > 1) each etp rank
+    stores 1/etp of its experts, as Megatron's expert_tensor_parallel_size: a contiguous Shard of the
+    fused gate_up rows (dim 1) and of down's columns (dim 2) on the etp dim, besides the experts' Shard
+    on ep. So checkpoints and the Layout see plain shards of the global tensors (any layout resumes
+    any other) and FSDP shards them further over the ranks holding the same shard (dp_shard_mod_etp,
+    parallelize.py), reducing the gradients there and not over etp. EtpDispatcher.exchange pairs each
+    slice's gate and up columns in compute."""
     rank, ep = ep_mesh.get_local_rank(), ep_mesh.size()
+    etp = etp_mesh is not None and etp_mesh.size(0) > 1
     for moe in [m for m in model.modules() if isinstance(m, MoE)]:
         experts = moe.experts
-        for name in ("gate_up_proj", "down_proj"):
+        for name, etp_dim in (("gate_up_proj", 1), ("down_proj", 2)):
             full = getattr(experts, name)
-            local = full.detach().chunk(ep, dim=0)[rank].clone()  # every rank built the same model
-            sharded = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
+            local = full.detach().chunk(ep, dim=0)[rank]  # every rank built the same model
+            if etp:
+                local = local.chunk(etp_mesh.size(0), dim=etp_dim)[etp_mesh.get_local_rank(0)]
+                sharded = DTensor.from_local(local.clone(), etp_mesh, [Shard(etp_dim), Shard(0)], run_check=False)
+            else:
+                sharded = DTensor.from_local(local.clone(), ep_mesh, [Shard(0)], run_check=False)
             setattr(experts, name, torch.nn.Parameter(sharded, requires_grad=full.requires_grad))
         if node_mesh is None:
             moe.dispatcher = AllToAllDispatcher(ep_mesh.get_group(), moe.cfg.n_routed_experts)
         else:
             moe.dispatcher = HierarchicalDispatcher(ep_mesh.get_group(), node_mesh["ep_node"].get_group(),
                                                     node_mesh["ep_local"].get_group(), moe.cfg.n_routed_experts)
-        if etp_mesh is not None and etp_mesh.size() > 1:
-            experts.etp_slice = (etp_mesh.get_local_rank(), etp_mesh.size())
-            moe.dispatcher = EtpDispatcher(moe.dispatcher, etp_mesh.get_group())
+        if etp:
+            moe.dispatcher = EtpDispatcher(moe.dispatcher, etp_mesh.get_group(0))
+            experts.etp_exchange = moe.dispatcher.exchange

@@ -267,13 +267,20 @@ def _merge(per_rank: list[dict], world_size: int) -> Layout:
 def mesh_ranks(pc, experts: bool = False) -> tuple[tuple[int, ...], tuple[str, ...], list[int]]:
     """parallel/mesh.py's views as (shape, dim names, row-major global ranks): the dense view
     (pp, dp_replicate, dp_shard, tp) or the experts view (pp, dp_replicate, dp_shard_mod_ep, ep, tp).
-    Both unflatten the same 1-D world mesh, so rank = row-major index."""
+    Both unflatten the same 1-D world mesh, so rank = row-major index. With expert-TP the experts view
+    is the etp one, (pp, dp_replicate, dp_shard_mod_etp, etp, ep, tp)."""
+    if experts and pc.etp > 1:
+        return ((pc.pp, pc.dp_replicate, pc.dp_shard // (pc.ep * pc.etp), pc.etp, pc.ep, pc.tp),
+                ("pp", "dp_replicate", "dp_shard_mod_etp", "etp", "ep", "tp"), list(range(pc.world_size)))
     if experts:
         return ((pc.pp, pc.dp_replicate, pc.dp_shard // pc.ep, pc.ep, pc.tp),
                 ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "tp"), list(range(pc.world_size)))
     return (pc.pp, pc.dp_replicate, pc.dp_shard, pc.tp), ("pp", "dp_replicate", "dp_shard", "tp"), \
         list(range(pc.world_size))
 
+
+# Expert-TP (parallel/ep.py apply_ep): the stacked experts' intermediate dim, fused gate_up rows and down columns.
+_ETP_DIM = (("experts.gate_up_proj", 1), ("experts.down_proj", 2))
 
 # TP rules of parallel/tp.py as (name suffix, tensor dim): colwise Linear weights split rows (dim 0),
 # rowwise split columns (dim 1); the embedding is rowwise (vocab rows), the head colwise (vocab rows).
@@ -324,10 +331,13 @@ def describe_layout(cfg, pc, dtype: torch.dtype = torch.float32) -> Layout:
             pass
         elif pc.tp > 1 and (d := tp_dim(name)) is not None:
             steps.append((names.index("tp"), d))
+        if experts and pc.etp > 1:
+            steps += [(names.index("etp"), d) for suffix, d in _ETP_DIM if name.endswith(suffix)]
         if experts:
             steps.append((names.index("ep"), 0))
         if fsdp and name not in buffers:
-            steps.append((names.index("dp_shard_mod_ep" if experts else "dp_shard"), 0))
+            expert_dp = "dp_shard_mod_etp" if pc.etp > 1 else "dp_shard_mod_ep"
+            steps.append((names.index(expert_dp if experts else "dp_shard"), 0))
         placements = []
         for pp_rank in sorted({pp_of_stage[s] for s in stages_of(name)}):
             per_pp = len(world) // pc.pp

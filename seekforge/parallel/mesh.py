@@ -12,7 +12,8 @@ DTensors from any of them), each with its dimensions outermost first:
             node boundaries), mesh["ep_local"] the ranks of one node (parallel/ep.py)
     etp     pp × dp_replicate × dp_shard_mod_etp × etp × ep × tp
             dp_shard_mod_ep split as dp_shard_mod_etp × etp (built when etp > 1): mesh["etp"] joins the
-            ranks holding the same experts that split each expert's GEMMs (parallel/ep.py's EtpDispatcher)
+            ranks holding the same experts that split each expert's GEMMs (parallel/ep.py's EtpDispatcher);
+            expert weights are DTensors on mesh["etp", "ep"], FSDP-sharded over dp_shard_mod_etp
 
 Expert parallelism borrows its ranks from dp_shard (dp_shard = dp_shard_mod_ep · ep): experts are
 split over ranks that see different data, and each expert's weights are FSDP-sharded over the

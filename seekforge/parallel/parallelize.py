@@ -26,7 +26,7 @@ def parallelize(model: nn.Module, pc: ParallelConfig, mesh: DeviceMesh) -> nn.Mo
         apply_tp(model, mesh["tp"], pc.sequence_parallel)
     if pc.ep > 1:
         apply_ep(model, mesh["ep"], mesh["ep_node", "ep_local"] if pc.ep_nodes > 1 else None,
-                 mesh["etp"] if pc.etp > 1 else None)
+                 mesh["etp", "ep"] if pc.etp > 1 else None)
     if pc.recompute != "none":
         apply_recompute(model, pc.recompute)
     if pc.compile:
@@ -37,8 +37,9 @@ def parallelize(model: nn.Module, pc: ParallelConfig, mesh: DeviceMesh) -> nn.Mo
         if pc.cp > 1:  # FSDP over dp_shard × cp: it reduces the cp ranks' gradients too (parallel/cp.py)
             dp_mesh = mesh["dp_shard_cp"]
         expert_mesh = None
-        if pc.ep > 1:
-            expert_mesh = mesh["dp_replicate", "dp_shard_mod_ep"] if hsdp else mesh["dp_shard_mod_ep"]
+        if pc.ep > 1:  # the ranks holding the same expert shard: with expert-TP, the etp ranks hold different ones
+            shard = "dp_shard_mod_etp" if pc.etp > 1 else "dp_shard_mod_ep"
+            expert_mesh = mesh["dp_replicate", shard] if hsdp else mesh[shard]
         apply_fsdp(model, dp_mesh, mixed_precision_policy(pc.mixed_precision), expert_mesh,
                    expert_grad_divide_factor=pc.dp_replicate * pc.dp_shard)
     return model
