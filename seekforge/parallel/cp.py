@@ -1,4 +1,4 @@
-"""Context parallelism (issue 44, first step): a sequence split over the cp ranks of a group.
+"""Context parallelism (issue 44): a sequence split over the cp ranks of a group.
 
 The cp ranks see the same batch. Each cuts every row into 2·cp equal chunks and keeps chunk i and
 chunk 2·cp−1−i (i its cp rank): under the causal mask an early chunk attends to few keys and a late
@@ -6,18 +6,27 @@ one to many, so the pairs give every rank the same attention work. Everything th
 whole row is computed before the cut: the next-token labels, the MTP depths' token-(t+k) ids and
 targets (token t+k may sit on another rank), and the global positions (RoPE).
 
-Attention: each rank's queries attend to every key of the row. MLA's keys and values are expanded
-from a compressed latent c_kv (r dims) and one shared RoPE key k_pe (dr dims), so the ranks exchange
-those (r + dr per token) rather than the expanded heads (nh·(dn + dr + dv) per token):
-`ContextParallelAttention` all-gathers them (autograd-aware: the gradient is summed back to the rank
-that owns the token) and masks by global positions. A ring that overlaps the exchange with the
-per-block attention (online-softmax merging) is the better version, not written yet.
+Attention: each rank's queries attend to every key of the row, as ring attention (`ContextParallelAttention`,
+`_RingAttention`). MLA's keys and values are expanded from a compressed latent c_kv (r dims) and one shared
+RoPE key k_pe (dr dims), so the ring passes those (r + dr per token: 576 for DeepSeek-V3) rather than the
+expanded heads (nh·(dn + dr + dv): 40,960). At ring step s a rank holds the latents of rank (rank − s) mod
+cp (the next block already in flight, isend/irecv to the neighbours), expands them to this rank's heads
+through kv_b_proj (so under TP, its local heads only), attends its two chunks to the visiting two by
+global position — a tile whose keys all follow its queries is skipped, a diagonal tile masked within —
+and folds each tile into fp32 accumulators by its log-sum-exp (online softmax; bf16 inputs keep the
+merge in fp32). Backward is written out: it saves q, this rank's latents, the output and the per-row
+LSE; the latents travel the ring again, each block's scores are recomputed and its latent gradient
+travels with it, arriving home after cp steps. No rank ever holds the row's expanded keys and values
+or a (T/cp, T) score matrix: on a 2,048-token row at cp=4 a rank's activations are 0.03 × one device's
+(tests/dist/test_cp_ring.py). `GatheredAttention` (all-gather the latents, one (T/cp, T) mask) is the
+simple reference the ring is tested against.
 
 The loss: each rank's cross-entropy means are rescaled to (its kept tokens / all kept tokens of the
 cp group), so the cp ranks' losses and gradients sum to the single device's; `all_reduce_grads` sums
-the gradients over cp after backward. With FSDP (dp_shard > 1) the model is sharded over dp_shard × cp
-(parallel/mesh.py's dp_shard_cp) and FSDP's reduce-scatter averages over those dp·cp ranks: backward
-cp · loss then, and no all_reduce_grads.
+the gradients over cp after backward. With FSDP (dp_shard > 1, or mixed_precision="bf16", which
+`parallelize` applies through FSDP) the model is sharded over dp_shard × cp (parallel/mesh.py's
+dp_shard_cp) and FSDP's reduce-scatter averages over those dp·cp ranks: backward cp · loss then, and no
+all_reduce_grads.
 """
 
 from __future__ import annotations
@@ -268,7 +277,7 @@ def cp_lm_loss(model, input_ids, labels, cp_mesh: DeviceMesh, mtp_loss_scale: fl
     """lm_loss for one cp rank: input_ids, labels (B, T) are the FULL rows (the same on every cp rank);
     this rank forwards its chunks. Returns (loss, metrics) whose sum over the cp ranks is the
     single-device loss; backward, then `all_reduce_grads`, gives its gradients. Under FSDP over
-    dp_shard × cp, backward `cp · loss` instead (FSDP averages over the cp ranks too)."""
+    dp_shard × cp (also bf16's), backward `cp · loss` instead (FSDP averages over the cp ranks too)."""
     if any(moe.aux_loss_coeff > 0 for moe in model.moe_layers()):
         raise ValueError("context parallelism with the sequence-wise balance loss (aux_loss_coeff > 0) is not "
                          "supported yet: each cp rank would score its own chunks as the sequence; set it to 0")
