@@ -203,3 +203,46 @@ def test_cp2_bf16_ring_as_gathered():
     print(f"cp=2 bf16: ring {ring}, gathered {gathered}; max |ring − gathered| {diff:.1e}, "
           f"|ring − fp32 single device| {to_fp32:.1e}")
     assert diff <= 2e-3 and to_fp32 <= 1e-2  # measured 1.5e-4 and 2.7e-4
+
+
+def run_ring_tp(seq: int):
+    """cp=2 × tp=2 (mesh cp × tp), kv_b_proj colwise as parallel/tp.py shards it (this rank's heads): the
+    ring's output for this rank's tokens and heads, and the gradients summed as the model's hooks sum them."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
+    cp, rank, tp, tp_rank = 2, mesh["cp"].get_local_rank(), 2, mesh["tp"].get_local_rank()
+    attn, inputs = attention_inputs(seq)
+    nh = attn.num_heads
+    parallelize_module(attn, mesh["tp"], {"kv_b_proj": ColwiseParallel()})
+    attn.num_heads = nh // tp
+    heads = slice(tp_rank * nh // tp, (tp_rank + 1) * nh // tp)
+    q_nope, q_pe, c_kv, k_pe = (shard_sequence(x, cp, rank).detach() for x in inputs)
+    local = [q_nope[:, :, heads].requires_grad_(), q_pe[:, :, heads].requires_grad_(), c_kv.requires_grad_(),
+             k_pe.requires_grad_()]
+    out = ContextParallelAttention(mesh["cp"].get_group(), shard_positions(seq, cp, rank)).attend(attn, *local)
+    upstream = torch.randn(2, seq, nh * attn.cfg.v_head_dim, generator=torch.Generator().manual_seed(2))
+    upstream = shard_sequence(upstream, cp, rank).view(*out.shape[:2], nh, -1)[:, :, heads].flatten(2)
+    (out * upstream).sum().backward()
+    grad_k_pe = local[3].grad.clone()  # this rank's heads' share: tp.py's hook on kv_a_proj sums it over TP
+    dist.all_reduce(grad_k_pe, group=mesh["tp"].get_group())
+    grad_w = attn.kv_b_proj.weight.grad.full_tensor()
+    dist.all_reduce(grad_w, group=mesh["cp"].get_group())
+    return dict(rank=rank, heads=heads, out=out.detach(), grads=[local[0].grad, local[1].grad, local[2].grad,
+                                                                 grad_k_pe], grad_w=grad_w)
+
+
+def test_ring_with_tp_local_heads():
+    """Under TP an MLA holds its local heads (kv_b_proj a colwise DTensor): the ring expands and
+    differentiates through the module, so its output and gradients are the single device's, per head."""
+    attn, inputs = attention_inputs(16)
+    out, grads, grad_w = attend_and_grad(attn, inputs, None)
+    for r in launch(run_ring_tp, 4, 16):
+        want = shard_sequence(out, 2, r["rank"])  # (B, T/cp, nh·dv) → this rank's heads
+        want = want.view(*want.shape[:2], attn.num_heads, -1)[:, :, r["heads"]].flatten(2)
+        torch.testing.assert_close(r["out"], want, rtol=0, atol=TOL)
+        for got, want in zip(r["grads"], grads, strict=True):
+            want = shard_sequence(want, 2, r["rank"])
+            torch.testing.assert_close(got, want[:, :, r["heads"]] if want.dim() == 4 else want, rtol=0, atol=TOL)
+        torch.testing.assert_close(r["grad_w"], grad_w, rtol=TOL, atol=TOL)
