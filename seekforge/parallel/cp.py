@@ -136,7 +136,9 @@ class _Ring:
             self.tiles.append([(i, j, a == b) for i, a in enumerate(mine) for j, b in enumerate(theirs) if b <= a])
 
     def shift(self, x: torch.Tensor, tag: int):
-        """Post x to rank + 1 and a receive from rank − 1 → (buffer, works to wait on)."""
+        """Post x to rank + 1 and a receive from rank − 1 → (buffer, works to wait on). cp = 1: x itself."""
+        if self.cp == 1:
+            return x, []
         buffer = torch.empty_like(x)
         works = [dist.isend(x.contiguous(), group=self.group, group_dst=(self.rank + 1) % self.cp, tag=tag),
                  dist.irecv(buffer, group=self.group, group_src=(self.rank - 1) % self.cp, tag=tag)]
