@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from seekforge.model.dtensor import local_tensor
 from seekforge.model.loss import IGNORE_INDEX, mtp_shifted, objective
 
 
@@ -120,4 +121,4 @@ def all_reduce_grads(model: nn.Module, cp_mesh: DeviceMesh) -> None:
     group = cp_mesh.get_group()
     for p in model.parameters():
         if p.grad is not None:
-            dist.all_reduce(p.grad, group=group)
+            dist.all_reduce(local_tensor(p.grad), group=group)  # under TP: this rank's shard, summed over cp

@@ -31,7 +31,7 @@ def parallelize(model: nn.Module, pc: ParallelConfig, mesh: DeviceMesh) -> nn.Mo
         apply_recompute(model, pc.recompute)
     if pc.compile:
         compile_blocks(model)
-    if pc.dp_replicate * pc.dp_shard > 1 or pc.mixed_precision != "fp32":
+    if uses_fsdp(pc):
         hsdp = pc.dp_replicate > 1
         dp_mesh = mesh["dp_replicate", "dp_shard"] if hsdp else mesh["dp_shard"]
         if pc.cp > 1:  # FSDP over dp_shard × cp: it reduces the cp ranks' gradients too (parallel/cp.py)
@@ -42,6 +42,11 @@ def parallelize(model: nn.Module, pc: ParallelConfig, mesh: DeviceMesh) -> nn.Mo
         apply_fsdp(model, dp_mesh, mixed_precision_policy(pc.mixed_precision), expert_mesh,
                    expert_grad_divide_factor=pc.dp_replicate * pc.dp_shard)
     return model
+
+
+def uses_fsdp(pc: ParallelConfig) -> bool:
+    """Whether `parallelize` shards with FSDP: then FSDP also reduces the cp ranks' gradients (parallel/cp.py)."""
+    return pc.dp_replicate * pc.dp_shard > 1 or pc.mixed_precision != "fp32"
 
 
 def compile_blocks(model: nn.Module) -> nn.Module:
