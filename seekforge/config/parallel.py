@@ -99,11 +99,11 @@ class ParallelConfig:
         """Context parallelism is its first step: alone, in fp32 (the rest of issue 44 comes later)."""
         if self.cp == 1:
             return
-        others = {k: getattr(self, k) for k in ("ep", "pp", "dp_replicate") if getattr(self, k) > 1}
+        others = {k: getattr(self, k) for k in ("ep", "pp") if getattr(self, k) > 1}
         if others:
             raise ValueError(f"cp={self.cp} with {others} is not supported yet: context parallelism runs alone or "
-                             "with FSDP (dp_shard) and TP (tp) for now (EP/PP/HSDP are issue 44's next step); set "
-                             "those to 1")
+                             "with FSDP/HSDP (dp_shard, dp_replicate) and TP (tp) for now (EP/PP are issue 44's next "
+                             "step); set those to 1")
         if self.mixed_precision != "fp32":
             raise ValueError(f"cp={self.cp} with mixed_precision={self.mixed_precision!r} is not supported yet; "
                              "use 'fp32'")

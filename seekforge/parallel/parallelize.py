@@ -35,7 +35,7 @@ def parallelize(model: nn.Module, pc: ParallelConfig, mesh: DeviceMesh) -> nn.Mo
         hsdp = pc.dp_replicate > 1
         dp_mesh = mesh["dp_replicate", "dp_shard"] if hsdp else mesh["dp_shard"]
         if pc.cp > 1:  # FSDP over dp_shard × cp: it reduces the cp ranks' gradients too (parallel/cp.py)
-            dp_mesh = mesh["dp_shard_cp"]
+            dp_mesh = mesh["dp_replicate", "dp_shard_cp"] if hsdp else mesh["dp_shard_cp"]
         expert_mesh = None
         if pc.ep > 1:
             expert_mesh = mesh["dp_replicate", "dp_shard_mod_ep"] if hsdp else mesh["dp_shard_mod_ep"]

@@ -82,3 +82,7 @@ def test_cp2_tp2_matches_single_device():
 
 def test_cp2_tp2_sequence_parallel_matches_single_device():
     check(launch(run, 4, dict(cp=2, tp=2, sequence_parallel=True)), run(None), "cp=2 x tp=2 (sequence parallel)")
+
+
+def test_cp2_hsdp_matches_single_device():
+    check(launch(run, 4, dict(cp=2, dp_replicate=2)), run(None), "cp=2 x dp_replicate=2")
