@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 
 from seekforge.model.dtensor import local_tensor
 from seekforge.model.loss import IGNORE_INDEX, mtp_shifted, objective
@@ -122,3 +123,24 @@ def all_reduce_grads(model: nn.Module, cp_mesh: DeviceMesh) -> None:
     for p in model.parameters():
         if p.grad is not None:
             dist.all_reduce(local_tensor(p.grad), group=group)  # under TP: this rank's shard, summed over cp
+
+
+def grad_scale(module: nn.Module, cp_mesh: DeviceMesh) -> int:
+    """What a cp rank multiplies its loss share by before backward: FSDP over dp_shard × cp (a module it
+    shards) averages the gradients over the cp ranks too, so cp; without FSDP `reduce_grads` sums them, so 1."""
+    return cp_mesh.size() if isinstance(module, FSDPModule) else 1
+
+
+def reduce_grads(modules: list[nn.Module], cp_mesh: DeviceMesh) -> None:
+    """After the backward passes of an optimizer step: sum the gradients over the cp ranks where FSDP did not."""
+    for module in modules:
+        if not isinstance(module, FSDPModule):
+            all_reduce_grads(module, cp_mesh)
+
+
+def data_group(mesh):
+    """The process group over which ranks see different tokens (of one tp and pp coordinate): the data-parallel
+    ranks, and with cp > 1 their cp ranks too (expert loads are summed over it: train/balance.py)."""
+    if "cp" not in mesh.batch.mesh_dim_names:
+        return mesh["dp"].get_group()
+    return mesh.batch["dp", "cp"]._flatten("dp_cp").get_group()

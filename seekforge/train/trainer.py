@@ -45,6 +45,8 @@ from seekforge.model.gpu import gpu_path
 from seekforge.model.loss import lm_loss
 from seekforge.model.moe import MoE
 from seekforge.model.precision import resolve_dtype
+from seekforge.parallel import cp
+from seekforge.parallel.cp import data_group
 from seekforge.parallel.parallelize import compile_blocks
 from seekforge.parallel.recompute import apply_recompute
 from seekforge.parallel.tp import loss_context
@@ -85,8 +87,10 @@ class Trainer:
         self.cfg, self.model, self.loader = cfg, model, loader
         self.eval_batches = eval_batches or []
         self.out_dir = Path(out_dir or cfg.out_dir)
-        self.dp_group = mesh["dp"].get_group() if mesh is not None else None
+        self.dp_group = data_group(mesh) if mesh is not None else None  # dp (× cp): expert loads summed over it
         self.tp_mesh = mesh["tp"] if mesh is not None else None
+        # Context parallelism: every cp rank holds its chunks of the same rows (parallel/cp.py).
+        self.cp_mesh = mesh["cp"] if mesh is not None and "cp" in mesh.batch.mesh_dim_names else None
         self.baseline = baseline
         self.is_main = not _distributed() or dist.get_rank() == 0
         self.runner = None if isinstance(model, nn.Module) else model  # a PipelineRunner is no Module
@@ -182,16 +186,20 @@ class Trainer:
             else:
                 with loss_context(self.tp_mesh), self._compute_weights():
                     with self._autocast():
-                        loss, parts = lm_loss(self.model, batch["input_ids"], batch["labels"],
-                                              batch.get("positions"), batch.get("segment_ids"), cfg.mtp_loss_scale)
+                        loss, parts = self._loss(batch, cfg.mtp_loss_scale)
                     self.probe.mark("forward")
-                    (loss / cfg.grad_accum).backward()
+                    scale = 1 if self.cp_mesh is None else cp.grad_scale(self.model, self.cp_mesh)
+                    (loss * scale / cfg.grad_accum).backward()
                 parts = {"loss": loss.detach(), **parts}
+                if self.cp_mesh is not None:  # a cp rank's share of its dp rank's loss: ranks are averaged below
+                    parts = {name: value * self.cp_mesh.size() for name, value in parts.items()}
             self.probe.mark("backward")  # a pipeline's schedule: forward and backward together
             for name, value in parts.items():
                 sums[name] = sums[name] + plain_tensor(value).float() / cfg.grad_accum
         if self.runner is not None:
             self.runner.sync_tied_embedding_grads()
+        if self.cp_mesh is not None:
+            cp.reduce_grads(self.modules, self.cp_mesh)
         if "aux_loss" in sums:  # the balance loss is part of the step's loss, from every pipeline stage
             sums["aux_loss"] = self._take_aux_loss()
             sums["loss"] = sums["loss"] + sums["aux_loss"]
@@ -218,6 +226,16 @@ class Trainer:
             self.read_metrics([metrics], time.perf_counter() - start)
         self.probe.end_step(self.step, metrics)
         return metrics
+
+    def _loss(self, batch: dict, mtp_loss_scale: float):
+        """The objective on one micro-batch (model/loss.py); under context parallelism this cp rank's share of it."""
+        if self.cp_mesh is None:
+            return lm_loss(self.model, batch["input_ids"], batch["labels"], batch.get("positions"),
+                           batch.get("segment_ids"), mtp_loss_scale)
+        if "segment_ids" in batch:
+            raise ValueError("context parallelism with packed documents (segment_ids) is not supported yet; "
+                             "use cp=1 for such data")
+        return cp.cp_lm_loss(self.model, batch["input_ids"], batch["labels"], self.cp_mesh, mtp_loss_scale)
 
     def read_metrics(self, records: list[dict], seconds: float) -> list[dict]:
         """train_step's records of the steps that took `seconds` together, their device tensors read as floats
@@ -280,8 +298,9 @@ class Trainer:
                 parts = self.runner.evaluate(batch["input_ids"], batch["labels"])
             else:
                 with torch.no_grad(), loss_context(self.tp_mesh), self._compute_weights(), self._autocast():
-                    _, parts = lm_loss(self.model, batch["input_ids"], batch["labels"], batch.get("positions"),
-                                       batch.get("segment_ids"), mtp_loss_scale=0.0)
+                    _, parts = self._loss(batch, mtp_loss_scale=0.0)
+                if self.cp_mesh is not None:  # this cp rank's share
+                    parts = {"lm_loss": parts["lm_loss"] * self.cp_mesh.size()}
             losses.append(plain_tensor(parts["lm_loss"]).float() if parts else torch.zeros((), device=self.device))
         for module in self.modules:
             module.train()

@@ -1,6 +1,7 @@
 """Context parallelism composed with the other dimensions (parallel/cp.py): cp=2 × tp=2 trains as a single
 device does (loss, grad norm and weights after 3 steps, fp32, MTP on)."""
 
+import pytest
 import torch
 import torch.distributed as dist
 from dist_harness import BATCH, STEPS, batches, local_value, make_optimizer, model_config
@@ -86,3 +87,33 @@ def test_cp2_tp2_sequence_parallel_matches_single_device():
 
 def test_cp2_hsdp_matches_single_device():
     check(launch(run, 4, dict(cp=2, dp_replicate=2)), run(None), "cp=2 x dp_replicate=2")
+
+
+CP_PRETRAIN = ("--set", "aux_loss_coeff=0", "--set", "log_interval=1")
+
+
+def test_pretrain_cp2_matches_single_device(tmp_path, capfd):
+    """`seekforge pretrain --parallel cp=2` trains the single device's curve; rank 0 alone logs, once a step."""
+    from test_pretrain_cli import LOSS_TOL, assert_same_curves, curves, pretrain_args, run_cli
+    from test_pretrain_cli import STEPS as PRETRAIN_STEPS
+
+    from seekforge.cli import main
+    from seekforge.model.hf import load_hf
+
+    main(pretrain_args(tmp_path / "single", *CP_PRETRAIN))
+    capfd.readouterr()
+    launch(run_cli, 2, pretrain_args(tmp_path / "cp", *CP_PRETRAIN, "--parallel", "cp=2"))
+    out = capfd.readouterr().out
+    assert out.count("parallel: 2 ranks (gloo), cp=2") == 1 and out.count("done:") == 1
+    assert all(out.count(f"step {s:>5}/{PRETRAIN_STEPS}") == 1 for s in range(1, PRETRAIN_STEPS + 1)), out
+    single, got = curves(tmp_path / "single"), curves(tmp_path / "cp")
+    assert sorted(got) == list(range(1, PRETRAIN_STEPS + 1))
+    assert_same_curves(got, single, range(1, PRETRAIN_STEPS + 1))
+    assert got[1]["tokens_per_s"] * got[1]["step_time_s"] == pytest.approx(4 * 32)  # the global batch's tokens
+    ref, trained = load_hf(tmp_path / "single" / "hf").state_dict(), load_hf(tmp_path / "cp" / "hf").state_dict()
+    worst = max((trained[k] - ref[k]).abs().max().item() for k in ref)
+    diffs = {k: max(abs(got[s][k] - single[s][k]) for s in got) for k in ("loss", "mtp_loss", "grad_norm")}
+    diffs["eval_loss"] = abs(got[PRETRAIN_STEPS]["eval_loss"] - single[PRETRAIN_STEPS]["eval_loss"])
+    assert diffs["eval_loss"] <= LOSS_TOL
+    print(f"pretrain cp=2: max |diff| {', '.join(f'{k} {v:.1e}' for k, v in diffs.items())}, weights {worst:.1e}")
+    assert worst <= WEIGHT_TOL
