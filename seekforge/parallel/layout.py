@@ -267,10 +267,15 @@ def _merge(per_rank: list[dict], world_size: int) -> Layout:
 def mesh_ranks(pc, experts: bool = False) -> tuple[tuple[int, ...], tuple[str, ...], list[int]]:
     """parallel/mesh.py's views as (shape, dim names, row-major global ranks): the dense view
     (pp, dp_replicate, dp_shard, tp) or the experts view (pp, dp_replicate, dp_shard_mod_ep, ep, tp).
-    Both unflatten the same 1-D world mesh, so rank = row-major index."""
+    All unflatten the same 1-D world mesh, so rank = row-major index. With context parallelism the dense
+    view is (pp, dp_replicate, dp_shard_cp, tp): the weights are FSDP-sharded over dp_shard × cp, or
+    replicated over the cp ranks without FSDP."""
     if experts:
         return ((pc.pp, pc.dp_replicate, pc.dp_shard // pc.ep, pc.ep, pc.tp),
                 ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "tp"), list(range(pc.world_size)))
+    if pc.cp > 1:
+        return (pc.pp, pc.dp_replicate, pc.dp_shard * pc.cp, pc.tp), ("pp", "dp_replicate", "dp_shard_cp", "tp"), \
+            list(range(pc.world_size))
     return (pc.pp, pc.dp_replicate, pc.dp_shard, pc.tp), ("pp", "dp_replicate", "dp_shard", "tp"), \
         list(range(pc.world_size))
 
@@ -327,7 +332,7 @@ def describe_layout(cfg, pc, dtype: torch.dtype = torch.float32) -> Layout:
         if experts:
             steps.append((names.index("ep"), 0))
         if fsdp and name not in buffers:
-            steps.append((names.index("dp_shard_mod_ep" if experts else "dp_shard"), 0))
+            steps.append((names.index("dp_shard_mod_ep" if experts else names[2]), 0))  # dp_shard or dp_shard_cp
         placements = []
         for pp_rank in sorted({pp_of_stage[s] for s in stages_of(name)}):
             per_pp = len(world) // pc.pp

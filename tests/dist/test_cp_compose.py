@@ -4,7 +4,7 @@ device does (loss, grad norm and weights after 3 steps, fp32, MTP on)."""
 import pytest
 import torch
 import torch.distributed as dist
-from dist_harness import BATCH, STEPS, batches, local_value, make_optimizer, model_config
+from dist_harness import BATCH, STEPS, batches, full_state, make_optimizer, model_config
 from dist_launcher import launch
 
 from seekforge.config import ParallelConfig
@@ -12,9 +12,11 @@ from seekforge.model.dtensor import plain_tensor
 from seekforge.model.loss import lm_loss
 from seekforge.model.model import build_model
 from seekforge.parallel.cp import all_reduce_grads, cp_lm_loss
+from seekforge.parallel.layout import describe_layout, layout_of_model
 from seekforge.parallel.mesh import build_mesh
 from seekforge.parallel.parallelize import parallelize, uses_fsdp
 from seekforge.parallel.tp import loss_context
+from seekforge.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from seekforge.train.optim import clip_grad_norm
 
 TOL = 1e-5  # fp32: losses, grad norms
@@ -24,69 +26,106 @@ WEIGHT_TOL = 1e-4
 SEQ = 16  # divisible by 2·cp
 
 
-def run(pc_kwargs: dict | None):
-    """3 steps of the shared batches (each dp rank's rows, full rows on every cp rank): per-step losses (the
-    global batch's), grad norms, and the full weights. pc_kwargs None: the single device."""
+def run(pc_kwargs: dict | None, steps: tuple[int, int] = (0, STEPS), load: str | None = None,
+        save: str | None = None, save_at: int | None = None):
+    """Steps [start, stop) of the shared batches (each dp rank's rows, full rows on every cp rank), optionally
+    resumed from the checkpoint root `load` and saved to `save` after step `save_at` (default: the last) through
+    train/checkpoint.py: per-step losses (the
+    global batch's), grad norms, the full weights (also right after loading), and whether the model's Layout is
+    the described one. pc_kwargs None: the single device."""
     cfg = model_config()
     model = build_model(cfg, seed=0)
     inputs, labels = batches(cfg, STEPS, seq=SEQ)
     pc = mesh = None
+    out = {}
     if pc_kwargs is not None:
         pc = ParallelConfig(**pc_kwargs)
         mesh = build_mesh(pc, cfg)
         model = parallelize(model, pc, mesh)
+        described, found = describe_layout(cfg, pc), layout_of_model(model)
+        out["layout_ok"] = found.tensors.keys() == described.tensors.keys() and all(
+            found.tensors[n].pieces() == t.pieces() for n, t in described.tensors.items())
     opt = make_optimizer(model.parameters())  # after parallelize: TP swaps the parameters for DTensors
+    if load is not None:
+        load_checkpoint(latest_checkpoint(load), model, opt)
+        out["loaded_weights"] = full_state([model], [opt])[0]
     losses, norms = [], []
-    for s in range(STEPS):
+    for s in range(*steps):
         if pc is None:
             loss, _ = lm_loss(model, inputs[s], labels[s])
             loss.backward()
+            loss = loss.item()
         else:
-            loss = cp_step(model, pc, mesh, inputs[s], labels[s])
+            loss = parallel_step(model, pc, mesh, inputs[s], labels[s])
         norms.append(clip_grad_norm(model.parameters(), float("inf")).item())
         opt.step()
         opt.zero_grad()
-        losses.append(float(loss))
-    weights = {k: local_value(v).detach().clone() for k, v in model.state_dict().items()}
-    return dict(losses=losses, norms=norms, weights=weights)
+        losses.append(loss)
+        if save is not None and s + 1 == (save_at or steps[1]):
+            save_checkpoint(save, s + 1, model, opt)
+    out.update(losses=losses, norms=norms, weights=full_state([model], [opt])[0])
+    return out
 
 
-def cp_step(model, pc, mesh, inputs, labels) -> float:
-    """Forward and backward of this dp rank's rows under cp: FSDP (when it shards) averages the gradients over
+def parallel_step(model, pc, mesh, inputs, labels) -> float:
+    """Forward and backward of this dp rank's rows. Under cp: FSDP (when it shards) averages the gradients over
     dp × cp, so backward cp · share; without it the cp ranks' gradients are summed here. → the global loss."""
     dp, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
     rows = slice(dp_rank * BATCH // dp, (dp_rank + 1) * BATCH // dp)
     with loss_context(mesh["tp"]):
-        loss, _ = cp_lm_loss(model, inputs[rows], labels[rows], mesh["cp"])
-        (loss * pc.cp if uses_fsdp(pc) else loss).backward()
-    if not uses_fsdp(pc):
+        if pc.cp == 1:
+            loss, _ = lm_loss(model, inputs[rows], labels[rows])
+            loss.backward()
+        else:
+            loss, _ = cp_lm_loss(model, inputs[rows], labels[rows], mesh["cp"])
+            (loss * pc.cp if uses_fsdp(pc) else loss).backward()
+    if pc.cp > 1 and not uses_fsdp(pc):
         all_reduce_grads(model, mesh["cp"])
     loss = plain_tensor(loss.detach()).clone()
     dist.all_reduce(loss)  # cp shares sum to a dp rank's loss; dp ranks and tp replicas averaged
     return loss.item() / (dp * pc.tp)
 
 
-def check(results, ref, label):
+def check(results, ref, label, first: int = 0):
+    """Every rank's losses and grad norms of steps [first, STEPS) and rank 0's final weights match the reference's."""
+    ref_losses, ref_norms = ref["losses"][first:], ref["norms"][first:]
     for r in results:
-        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]), rtol=0, atol=TOL)
-        torch.testing.assert_close(torch.tensor(r["norms"]), torch.tensor(ref["norms"]), rtol=TOL, atol=TOL)
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses), rtol=0, atol=TOL)
+        torch.testing.assert_close(torch.tensor(r["norms"]), torch.tensor(ref_norms), rtol=TOL, atol=TOL)
+        assert r.get("layout_ok", True), f"{label}: layout_of_model != describe_layout"
+    assert results[0]["weights"].keys() == ref["weights"].keys()
     worst = max((results[0]["weights"][k] - v).abs().max().item() for k, v in ref["weights"].items())
-    loss_diff = max(abs(a - b) for r in results for a, b in zip(r["losses"], ref["losses"], strict=True))
-    norm_diff = max(abs(a - b) for r in results for a, b in zip(r["norms"], ref["norms"], strict=True))
+    loss_diff = max(abs(a - b) for r in results for a, b in zip(r["losses"], ref_losses, strict=True))
+    norm_diff = max(abs(a - b) for r in results for a, b in zip(r["norms"], ref_norms, strict=True))
     print(f"{label}: max |loss diff| {loss_diff:.1e}, |grad norm diff| {norm_diff:.1e}, |weight diff| {worst:.1e}")
     assert worst <= WEIGHT_TOL
 
 
-def test_cp2_tp2_matches_single_device():
-    check(launch(run, 4, dict(cp=2, tp=2)), run(None), "cp=2 x tp=2")
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The single device's 3 steps, its step-1 checkpoint under root/checkpoints."""
+    root = tmp_path_factory.mktemp("single")
+    return dict(run(None, save=str(root / "checkpoints"), save_at=1), root=root)
 
 
-def test_cp2_tp2_sequence_parallel_matches_single_device():
-    check(launch(run, 4, dict(cp=2, tp=2, sequence_parallel=True)), run(None), "cp=2 x tp=2 (sequence parallel)")
+def test_cp2_tp2_matches_single_device_and_resumes_on_it(reference, tmp_path):
+    """3 steps under cp=2 × tp=2, then its step-2 checkpoint continues on one device."""
+    check(launch(run, 4, dict(cp=2, tp=2), (0, STEPS), None, str(tmp_path), 2), reference, "cp=2 x tp=2")
+    resumed = run(None, (2, STEPS), str(tmp_path))
+    check([resumed], reference, "cp=2 x tp=2 step 2 → single device", first=2)
 
 
-def test_cp2_hsdp_matches_single_device():
-    check(launch(run, 4, dict(cp=2, dp_replicate=2)), run(None), "cp=2 x dp_replicate=2")
+def test_single_device_checkpoint_resumes_under_cp2_tp2_sequence_parallel(reference):
+    resumed = launch(run, 4, dict(cp=2, tp=2, sequence_parallel=True), (1, STEPS),
+                     str(reference["root"] / "checkpoints"))
+    check(resumed, reference, "single device step 1 → cp=2 x tp=2 (sequence parallel)", first=1)
+
+
+def test_cp2_hsdp_matches_single_device_and_resumes_on_it(reference, tmp_path):
+    """HSDP shards the weights over dp_shard × cp (FSDP's strided layout in the checkpoint)."""
+    check(launch(run, 4, dict(cp=2, dp_replicate=2), (0, STEPS), None, str(tmp_path), 2), reference,
+          "cp=2 x dp_replicate=2")
+    check([run(None, (2, STEPS), str(tmp_path))], reference, "cp=2 x dp_replicate=2 step 2 → single device", first=2)
 
 
 CP_PRETRAIN = ("--set", "aux_loss_coeff=0", "--set", "log_interval=1")
