@@ -98,23 +98,34 @@ def cp_lm_loss(model, input_ids, labels, cp_mesh: DeviceMesh, mtp_loss_scale: fl
     if any(moe.aux_loss_coeff > 0 for moe in model.moe_layers()):
         raise ValueError("context parallelism with the sequence-wise balance loss (aux_loss_coeff > 0) is not "
                          "supported yet: each cp rank would score its own chunks as the sequence; set it to 0")
-    cp, rank, group = cp_mesh.size(), cp_mesh.get_local_rank(), cp_mesh.get_group()
-    cfg = model.cfg
-    depths = cfg.num_nextn_predict_layers if mtp_loss_scale > 0 else 0
+    depths = model.cfg.num_nextn_predict_layers if mtp_loss_scale > 0 else 0
+    local_ids, local_labels, shifted = shard_batch(input_ids, labels, cp_mesh, depths)
+    positions = shard_positions(input_ids.shape[1], cp_mesh.size(), cp_mesh.get_local_rank(), input_ids.device)
+    attention = ContextParallelAttention(cp_mesh.get_group(), positions)
+    h, rope, mask = model.hidden(local_ids, positions, attention=attention)
+    return objective(model, h, local_ids, local_labels, rope, mask, None, mtp_loss_scale, shifted or None,
+                     share_of_mean(cp_mesh.get_group()))
+
+
+def shard_batch(input_ids, labels, cp_mesh: DeviceMesh, depths: int):
+    """Full rows (B, T) → this rank's ids and labels (B, T/cp) and, per MTP depth, the (token t+k ids, targets)
+    pairs computed on the full rows first (token t+k may sit on another rank), then cut the same way."""
+    cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
     shifted = [tuple(shard_sequence(t, cp, rank) for t in mtp_shifted(input_ids, labels, k))
                for k in range(1, depths + 1)]
-    positions = shard_positions(input_ids.shape[1], cp, rank, input_ids.device)
-    attention = ContextParallelAttention(group, positions)
-    local_ids, local_labels = shard_sequence(input_ids, cp, rank), shard_sequence(labels, cp, rank)
-    h, rope, mask = model.hidden(local_ids, positions, attention=attention)
+    return shard_sequence(input_ids, cp, rank), shard_sequence(labels, cp, rank), shifted
 
-    def reduce(loss, targets):  # this rank's mean → its share of the mean over all cp ranks' kept tokens
+
+def share_of_mean(group):
+    """objective's `reduce`: this rank's mean (over its kept targets) → its share of the mean over all the cp
+    ranks' kept targets, so the shares sum to the single device's mean."""
+    def reduce(loss, targets):
         kept = (targets != IGNORE_INDEX).sum()
         total = kept.clone()
         dist.all_reduce(total, group=group)
         return loss * (kept / total)
 
-    return objective(model, h, local_ids, local_labels, rope, mask, None, mtp_loss_scale, shifted or None, reduce)
+    return reduce
 
 
 def all_reduce_grads(model: nn.Module, cp_mesh: DeviceMesh) -> None:
