@@ -77,9 +77,10 @@ class ParallelConfig:
         if self.sequence_parallel and self.pp > 1:
             raise ValueError("sequence_parallel=True with pp > 1 is not supported (pipeline stages would see "
                              "T/tp positions); set sequence_parallel=False or pp=1")
-        if self.dp_shard % self.ep:
-            raise ValueError(f"ep={self.ep} does not divide dp_shard={self.dp_shard}: experts are split over "
-                             f"data-parallel ranks; pick ep in {_divisors(self.dp_shard)} or raise dp_shard")
+        if self.dp_shard * self.cp % self.ep:  # with cp, ep may also borrow cp ranks (as torchtitan)
+            name = "dp_shard" if self.cp == 1 else "dp_shard*cp"
+            raise ValueError(f"ep={self.ep} does not divide {name}={self.dp_shard * self.cp}: experts are split over "
+                             f"data-parallel ranks; pick ep in {_divisors(self.dp_shard * self.cp)} or raise dp_shard")
         if self.ep % self.ep_nodes:
             raise ValueError(f"ep_nodes={self.ep_nodes} does not divide ep={self.ep}: every node holds the same "
                              f"number of expert-parallel ranks; pick ep_nodes in {_divisors(self.ep)}")
@@ -99,11 +100,9 @@ class ParallelConfig:
         """Context parallelism is its first step: alone, in fp32 (the rest of issue 44 comes later)."""
         if self.cp == 1:
             return
-        others = {k: getattr(self, k) for k in ("ep", "pp") if getattr(self, k) > 1}
-        if others:
-            raise ValueError(f"cp={self.cp} with {others} is not supported yet: context parallelism runs alone or "
-                             "with FSDP/HSDP (dp_shard, dp_replicate) and TP (tp) for now (EP/PP are issue 44's next "
-                             "step); set those to 1")
+        if self.ep_nodes > 1 or self.etp > 1:
+            raise ValueError(f"cp={self.cp} with ep_nodes={self.ep_nodes}, etp={self.etp} is not supported yet (their "
+                             "meshes split dp_shard alone); use ep_nodes=1 and etp=1 with cp")
         if self.mixed_precision != "fp32":
             raise ValueError(f"cp={self.cp} with mixed_precision={self.mixed_precision!r} is not supported yet; "
                              "use 'fp32'")

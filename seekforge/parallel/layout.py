@@ -271,7 +271,7 @@ def mesh_ranks(pc, experts: bool = False) -> tuple[tuple[int, ...], tuple[str, .
     view is (pp, dp_replicate, dp_shard_cp, tp): the weights are FSDP-sharded over dp_shard × cp, or
     replicated over the cp ranks without FSDP."""
     if experts:
-        return ((pc.pp, pc.dp_replicate, pc.dp_shard // pc.ep, pc.ep, pc.tp),
+        return ((pc.pp, pc.dp_replicate, pc.dp_shard * pc.cp // pc.ep, pc.ep, pc.tp),
                 ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "tp"), list(range(pc.world_size)))
     if pc.cp > 1:
         return (pc.pp, pc.dp_replicate, pc.dp_shard * pc.cp, pc.tp), ("pp", "dp_replicate", "dp_shard_cp", "tp"), \
@@ -307,7 +307,7 @@ def describe_layout(cfg, pc, dtype: torch.dtype = torch.float32) -> Layout:
     del meta
     dense_shape, dense_names, world = mesh_ranks(pc)
     expert_shape, expert_names, _ = mesh_ranks(pc, experts=True)
-    fsdp = pc.dp_replicate * pc.dp_shard > 1  # parallelize's rule (a size-1 FSDP splits nothing)
+    fsdp = pc.dp_replicate * pc.dp_shard > 1 or pc.ep > 1  # parallelize's rule (a size-1 FSDP splits nothing)
     ranges = stage_layer_ranges(cfg.num_hidden_layers, pc.num_stages, pc.pp_split_points)
     pp_of_stage = {s: p for p in range(pc.pp) for s in stage_ids_of_rank(p, pc)}
     last = pc.num_stages - 1

@@ -40,13 +40,14 @@ def parallelize(model: nn.Module, pc: ParallelConfig, mesh: DeviceMesh) -> nn.Mo
         if pc.ep > 1:
             expert_mesh = mesh["dp_replicate", "dp_shard_mod_ep"] if hsdp else mesh["dp_shard_mod_ep"]
         apply_fsdp(model, dp_mesh, mixed_precision_policy(pc.mixed_precision), expert_mesh,
-                   expert_grad_divide_factor=pc.dp_replicate * pc.dp_shard)
+                   expert_grad_divide_factor=pc.dp_replicate * pc.dp_shard * pc.cp)
     return model
 
 
 def uses_fsdp(pc: ParallelConfig) -> bool:
-    """Whether `parallelize` shards with FSDP: then FSDP also reduces the cp ranks' gradients (parallel/cp.py)."""
-    return pc.dp_replicate * pc.dp_shard > 1 or pc.mixed_precision != "fp32"
+    """Whether `parallelize` shards with FSDP: then FSDP also reduces the cp ranks' gradients (parallel/cp.py).
+    Expert parallelism always has it (its ranks are data-parallel, also under cp: ep | dp_shard · cp)."""
+    return pc.dp_replicate * pc.dp_shard > 1 or pc.ep > 1 or pc.mixed_precision != "fp32"
 
 
 def compile_blocks(model: nn.Module) -> nn.Module:

@@ -191,8 +191,8 @@ class Trainer:
                     scale = 1 if self.cp_mesh is None else cp.grad_scale(self.model, self.cp_mesh)
                     (loss * scale / cfg.grad_accum).backward()
                 parts = {"loss": loss.detach(), **parts}
-                if self.cp_mesh is not None:  # a cp rank's share of its dp rank's loss: ranks are averaged below
-                    parts = {name: value * self.cp_mesh.size() for name, value in parts.items()}
+            if self.cp_mesh is not None:  # a cp rank's share of its dp rank's loss: ranks are averaged below
+                parts = {name: value * self.cp_mesh.size() for name, value in parts.items()}
             self.probe.mark("backward")  # a pipeline's schedule: forward and backward together
             for name, value in parts.items():
                 sums[name] = sums[name] + plain_tensor(value).float() / cfg.grad_accum
@@ -299,8 +299,8 @@ class Trainer:
             else:
                 with torch.no_grad(), loss_context(self.tp_mesh), self._compute_weights(), self._autocast():
                     _, parts = self._loss(batch, mtp_loss_scale=0.0)
-                if self.cp_mesh is not None:  # this cp rank's share
-                    parts = {"lm_loss": parts["lm_loss"] * self.cp_mesh.size()}
+            if self.cp_mesh is not None and parts:  # this cp rank's share
+                parts = {"lm_loss": parts["lm_loss"] * self.cp_mesh.size()}
             losses.append(plain_tensor(parts["lm_loss"]).float() if parts else torch.zeros((), device=self.device))
         for module in self.modules:
             module.train()

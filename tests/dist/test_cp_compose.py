@@ -11,6 +11,7 @@ from seekforge.config import ParallelConfig
 from seekforge.model.dtensor import plain_tensor
 from seekforge.model.loss import lm_loss
 from seekforge.model.model import build_model
+from seekforge.parallel import cp
 from seekforge.parallel.cp import all_reduce_grads, cp_lm_loss
 from seekforge.parallel.layout import describe_layout, layout_of_model
 from seekforge.parallel.mesh import build_mesh
@@ -101,6 +102,40 @@ def check(results, ref, label, first: int = 0):
     assert worst <= WEIGHT_TOL
 
 
+def run_pipeline(pc_kwargs: dict):
+    """3 steps under a pipeline (parallel/pp.py) with cp: losses from the last stage, grad norms over the stages,
+    the full weights of this rank's stages."""
+    from seekforge.parallel.pp import PipelineRunner
+
+    cfg, pc = model_config(), ParallelConfig(**pc_kwargs)
+    inputs, labels = batches(cfg, STEPS, seq=SEQ)
+    mesh = build_mesh(pc, cfg)
+    runner = PipelineRunner(build_model(cfg, seed=0), pc, mesh)
+    optimizers = [make_optimizer(m.parameters()) for m in runner.modules]
+    duplicates = {id(p) for m in runner.modules if m.is_last and not m.is_first for p in m.embed_tokens.parameters()}
+    dp, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
+    rows = slice(dp_rank * BATCH // dp, (dp_rank + 1) * BATCH // dp)
+    losses, norms = [], []
+    for s in range(STEPS):
+        parts = runner.step(inputs[s, rows], labels[s, rows])
+        runner.sync_tied_embedding_grads()
+        cp.reduce_grads(runner.modules, mesh["cp"])
+        norms.append(clip_grad_norm(runner.parameters(), float("inf"), mesh["pp"].get_group(), duplicates).item())
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
+        loss = parts["loss"].clone() if parts else torch.zeros(())  # the last stage's cp shares
+        dist.all_reduce(loss)
+        losses.append(loss.item() / (dp * pc.tp))
+    return dict(losses=losses, norms=norms, weights=full_state(runner.modules, optimizers)[0])
+
+
+def test_cp2_pp2_matches_single_device(reference):
+    results = launch(run_pipeline, 4, dict(cp=2, pp=2, microbatches=2))
+    weights = {k: v for r in results for k, v in r["weights"].items()}
+    check([dict(r, weights=weights) for r in results], reference, "cp=2 x pp=2 (1F1B, 2 micro-batches)")
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The single device's 3 steps, its step-1 checkpoint under root/checkpoints."""
@@ -126,6 +161,12 @@ def test_cp2_hsdp_matches_single_device_and_resumes_on_it(reference, tmp_path):
     check(launch(run, 4, dict(cp=2, dp_replicate=2), (0, STEPS), None, str(tmp_path), 2), reference,
           "cp=2 x dp_replicate=2")
     check([run(None, (2, STEPS), str(tmp_path))], reference, "cp=2 x dp_replicate=2 step 2 → single device", first=2)
+
+
+def test_cp2_ep2_fsdp_matches_single_device(reference):
+    """EP borrows its ranks from dp_shard × cp: here the ep group is the cp ranks, the all-to-all carries both cp
+    ranks' tokens, experts FSDP-sharded over dp_shard (their gradients divided by dp · cp)."""
+    check(launch(run, 4, dict(cp=2, dp_shard=2, ep=2)), reference, "cp=2 x dp_shard=2 x ep=2")
 
 
 CP_PRETRAIN = ("--set", "aux_loss_coeff=0", "--set", "log_interval=1")
