@@ -97,7 +97,7 @@ class ParallelConfig:
                                  f"pp rank); got {self.microbatches}: use microbatches >= {self.num_stages}")
 
     def _check_cp(self) -> None:
-        """Context parallelism is its first step: alone, in fp32 (the rest of issue 44 comes later)."""
+        """Context parallelism composes with FSDP/HSDP, TP, PP and EP, in fp32; not yet with ep_nodes or etp."""
         if self.cp == 1:
             return
         if self.ep_nodes > 1 or self.etp > 1:

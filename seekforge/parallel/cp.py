@@ -17,7 +17,14 @@ The loss: each rank's cross-entropy means are rescaled to (its kept tokens / all
 cp group), so the cp ranks' losses and gradients sum to the single device's; `all_reduce_grads` sums
 the gradients over cp after backward. With FSDP (dp_shard > 1) the model is sharded over dp_shard × cp
 (parallel/mesh.py's dp_shard_cp) and FSDP's reduce-scatter averages over those dp·cp ranks: backward
-cp · loss then, and no all_reduce_grads.
+cp · loss then, and no all_reduce_grads (`grad_scale` and `reduce_grads` pick by whether FSDP shards).
+
+With the other dimensions: TP splits each cp rank's heads (the latents stay whole, so the exchange is the
+same); a pipeline's stages forward their cp rank's chunks and the last stage scores its share through
+`shard_batch` and `share_of_mean` (parallel/pp.py); EP borrows its ranks from dp_shard × cp, so the
+all-to-all carries every cp rank's tokens; the expert loads of the aux-loss-free bias are summed over
+dp × cp (`data_group`). The weights are replicated over cp or FSDP-sharded over dp_shard × cp, which
+parallel/layout.py describes, so checkpoints move between cp and other layouts.
 """
 
 from __future__ import annotations

@@ -11,7 +11,10 @@ Distributed seam: nothing here builds parallelism; the model arrives parallelize
 parallelize) and the loader yields this data-parallel rank's slice of the global batch. With a
 `mesh`, the loss runs under TP's loss context, expert loads are summed over the data-parallel
 ranks before the bias update, logged losses are their mean (the single-device loss of the global
-batch), only rank 0 logs, and checkpoints are DCP (each rank writes its shards).
+batch), only rank 0 logs, and checkpoints are DCP (each rank writes its shards). Under context
+parallelism (a mesh with a cp dimension) the cp ranks of a data-parallel rank get the same rows, each
+forwards its chunks and scores its share of the loss (parallel/cp.py), the shares × cp enter the rank
+mean, and the expert loads are summed over dp × cp.
 
 On the GPU path (model/gpu: CUDA) a step never waits for the device: its metrics stay device tensors
 (`train_step` returns them so) and `fit` reads them on logging steps only — those that print a log line,
