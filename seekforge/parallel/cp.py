@@ -102,7 +102,6 @@ def cp_lm_loss(model, input_ids, labels, cp_mesh: DeviceMesh, mtp_loss_scale: fl
     this rank forwards its chunks. Returns (loss, metrics) whose sum over the cp ranks is the
     single-device loss; backward, then `all_reduce_grads`, gives its gradients. Under FSDP over
     dp_shard × cp, backward `cp · loss` instead (FSDP averages over the cp ranks too)."""
-    check_no_balance_loss(model.moe_layers())
     depths = model.cfg.num_nextn_predict_layers if mtp_loss_scale > 0 else 0
     local_ids, local_labels, shifted = shard_batch(input_ids, labels, cp_mesh, depths)
     positions = shard_positions(input_ids.shape[1], cp_mesh.size(), cp_mesh.get_local_rank(), input_ids.device)
@@ -110,12 +109,6 @@ def cp_lm_loss(model, input_ids, labels, cp_mesh: DeviceMesh, mtp_loss_scale: fl
     h, rope, mask = model.hidden(local_ids, positions, attention=attention)
     return objective(model, h, local_ids, local_labels, rope, mask, None, mtp_loss_scale, shifted or None,
                      share_of_mean(cp_mesh.get_group()))
-
-
-def check_no_balance_loss(moe_layers) -> None:
-    if any(moe.aux_loss_coeff > 0 for moe in moe_layers):
-        raise ValueError("context parallelism with the sequence-wise balance loss (aux_loss_coeff > 0) is not "
-                         "supported yet: each cp rank would score its own chunks as the sequence; set it to 0")
 
 
 def shard_batch(input_ids, labels, cp_mesh: DeviceMesh, depths: int):
@@ -145,6 +138,18 @@ def all_reduce_grads(model: nn.Module, cp_mesh: DeviceMesh) -> None:
     for p in model.parameters():
         if p.grad is not None:
             dist.all_reduce(local_tensor(p.grad), group=group)  # under TP: this rank's shard, summed over cp
+
+
+class RowCounts:
+    """An MoE layer's `row_counts` under cp (parallel/parallelize.py sets it): the sequence-wise balance
+    loss's per-row expert counts (B, E) summed over the cp ranks, which hold the rows' other chunks."""
+
+    def __init__(self, cp_mesh: DeviceMesh):
+        self.group, self.parts = cp_mesh.get_group(), cp_mesh.size()
+
+    def __call__(self, counts: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(counts, group=self.group)
+        return counts
 
 
 def grad_scale(module: nn.Module, cp_mesh: DeviceMesh) -> int:

@@ -14,6 +14,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from seekforge.config import ParallelConfig
 from seekforge.model.model import block_slots
+from seekforge.model.moe import MoE
+from seekforge.parallel.cp import RowCounts
 from seekforge.parallel.ep import apply_ep
 from seekforge.parallel.fsdp import apply_fsdp, mixed_precision_policy
 from seekforge.parallel.recompute import apply_recompute
@@ -22,6 +24,9 @@ from seekforge.parallel.tp import apply_tp
 
 def parallelize(model: nn.Module, pc: ParallelConfig, mesh: DeviceMesh) -> nn.Module:
     """Apply pc's TP → EP → recompute → compile → FSDP to `model` in place; returns it."""
+    if pc.cp > 1:  # the balance loss's per-row counts span the cp ranks (parallel/cp.py)
+        for moe in [m for m in model.modules() if isinstance(m, MoE)]:
+            moe.row_counts = RowCounts(mesh["cp"])
     if pc.tp > 1:
         apply_tp(model, mesh["tp"], pc.sequence_parallel)
     if pc.ep > 1:

@@ -157,8 +157,6 @@ class PipelineRunner:
         target = torch.stack([input_ids, labels], dim=1)
         if self.pc.cp > 1:  # this cp rank's chunks; its loss share (× cp where FSDP averages over the cp ranks)
             cp_mesh = self.mesh["cp"]
-            cp_module.check_no_balance_loss([m for stage in self.modules for m in stage.modules()
-                                             if isinstance(m, MoE)])
             depths = self.modules[0].cfg.num_nextn_predict_layers if self.mtp_loss_scale > 0 else 0
             input_ids, labels, shifted = cp_module.shard_batch(input_ids, labels, cp_mesh, depths)
             target = torch.stack([input_ids, labels, *(t for pair in shifted for t in pair)], dim=1)

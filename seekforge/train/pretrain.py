@@ -140,14 +140,10 @@ def parallel_layout(cfg: TrainConfig, model_cfg: ModelConfig, world_size: int) -
 
 
 def _check_cp(cfg: TrainConfig, pc: ParallelConfig) -> None:
-    """What context parallelism needs of the run: rows that cut into 2·cp equal chunks, no balance loss yet."""
+    """What context parallelism needs of the run: rows that cut into 2·cp equal chunks."""
     if cfg.seq_len % (2 * pc.cp):
         raise ValueError(f"cp={pc.cp} cuts every row into {2 * pc.cp} equal chunks, but seq_len={cfg.seq_len}; "
                          f"use a seq_len divisible by {2 * pc.cp}")
-    if cfg.aux_loss_coeff > 0:
-        raise ValueError(f"cp={pc.cp} with the sequence-wise balance loss (aux_loss_coeff={cfg.aux_loss_coeff:g}) is "
-                         "not supported yet (each cp rank would score its chunks as the sequence); add "
-                         "--set aux_loss_coeff=0 (the aux-loss-free bias still balances the experts)")
 
 
 def say_schedule_changes(saved_config: Path, cfg: TrainConfig, step: int, say) -> None:

@@ -108,8 +108,10 @@ class Trainer:
         self.moe_layers = [m for module in self.modules for m in module.modules() if isinstance(m, MoE)]
         # Forward passes per optimizer step: gradient accumulation × pipeline micro-batches.
         self.forwards_per_step = cfg.grad_accum * (self.runner.pc.microbatches if self.runner else 1)
+        # Under cp, each rank's balance loss is its share, scaled as its other loss terms (cp.grad_scale).
+        cp_scale = 1 if self.cp_mesh is None else cp.grad_scale(self.modules[0], self.cp_mesh)
         for moe in self.moe_layers:
-            moe.aux_loss_coeff, moe.aux_grad_scale = cfg.aux_loss_coeff, 1 / self.forwards_per_step
+            moe.aux_loss_coeff, moe.aux_grad_scale = cfg.aux_loss_coeff, cp_scale / self.forwards_per_step
         model_cfg = self.modules[0].cfg
         # The same names on every rank (all-reduced together); ranks without the last stage send zeros.
         self.loss_names = ["loss", "lm_loss"]
@@ -266,6 +268,8 @@ class Trainer:
             moe.aux_loss = 0.0
         if self.pp_group is not None:
             dist.all_reduce(total, group=self.pp_group)
+        if self.cp_mesh is not None:  # this cp rank's share, as the other loss parts
+            total = total * self.cp_mesh.size()
         return total / self.forwards_per_step
 
     def _mean_over_loss_ranks(self, values: list[torch.Tensor]) -> torch.Tensor:

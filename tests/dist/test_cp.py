@@ -121,10 +121,3 @@ def test_plan_refuses_cp_for_now():
 
     with pytest.raises(ValueError, match="plan does not model context parallelism"):
         _layout("cp=2", model_config())
-
-
-def test_balance_loss_refused_for_now():
-    model = build_model(model_config(), seed=0)
-    model.moe_layers()[0].aux_loss_coeff = 1e-3
-    with pytest.raises(ValueError, match="sequence-wise balance loss"):
-        cp_lm_loss(model, torch.zeros(1, SEQ, dtype=torch.long), torch.zeros(1, SEQ, dtype=torch.long), None)

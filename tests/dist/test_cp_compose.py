@@ -11,6 +11,7 @@ from seekforge.config import ParallelConfig
 from seekforge.model.dtensor import plain_tensor
 from seekforge.model.loss import lm_loss
 from seekforge.model.model import build_model
+from seekforge.model.moe import MoE
 from seekforge.parallel import cp
 from seekforge.parallel.cp import all_reduce_grads, cp_lm_loss
 from seekforge.parallel.layout import describe_layout, layout_of_model
@@ -27,6 +28,15 @@ WEIGHT_TOL = 1e-4
 SEQ = 16  # divisible by 2·cp
 
 
+AUX_LOSS_COEFF = 0.01  # the sequence-wise balance loss, weighted enough to move the routers
+
+
+def with_balance_loss(model):
+    for moe in model.moe_layers():
+        moe.aux_loss_coeff = AUX_LOSS_COEFF
+    return model
+
+
 def run(pc_kwargs: dict | None, steps: tuple[int, int] = (0, STEPS), load: str | None = None,
         save: str | None = None, save_at: int | None = None):
     """Steps [start, stop) of the shared batches (each dp rank's rows, full rows on every cp rank), optionally
@@ -35,7 +45,7 @@ def run(pc_kwargs: dict | None, steps: tuple[int, int] = (0, STEPS), load: str |
     global batch's), grad norms, the full weights (also right after loading), and whether the model's Layout is
     the described one. pc_kwargs None: the single device."""
     cfg = model_config()
-    model = build_model(cfg, seed=0)
+    model = with_balance_loss(build_model(cfg, seed=0))
     inputs, labels = batches(cfg, STEPS, seq=SEQ)
     pc = mesh = None
     out = {}
@@ -43,6 +53,8 @@ def run(pc_kwargs: dict | None, steps: tuple[int, int] = (0, STEPS), load: str |
         pc = ParallelConfig(**pc_kwargs)
         mesh = build_mesh(pc, cfg)
         model = parallelize(model, pc, mesh)
+        for moe in model.moe_layers():  # its share, scaled as the other loss terms (the trainer does the same)
+            moe.aux_grad_scale = cp.grad_scale(model, mesh["cp"]) if pc.cp > 1 else 1
         described, found = describe_layout(cfg, pc), layout_of_model(model)
         out["layout_ok"] = found.tensors.keys() == described.tensors.keys() and all(
             found.tensors[n].pieces() == t.pieces() for n, t in described.tensors.items())
@@ -110,7 +122,9 @@ def run_pipeline(pc_kwargs: dict):
     cfg, pc = model_config(), ParallelConfig(**pc_kwargs)
     inputs, labels = batches(cfg, STEPS, seq=SEQ)
     mesh = build_mesh(pc, cfg)
-    runner = PipelineRunner(build_model(cfg, seed=0), pc, mesh)
+    runner = PipelineRunner(with_balance_loss(build_model(cfg, seed=0)), pc, mesh)
+    for moe in [m for stage in runner.modules for m in stage.modules() if isinstance(m, MoE)]:
+        moe.aux_grad_scale = cp.grad_scale(runner.modules[0], mesh["cp"]) / pc.microbatches
     optimizers = [make_optimizer(m.parameters()) for m in runner.modules]
     duplicates = {id(p) for m in runner.modules if m.is_last and not m.is_first for p in m.embed_tokens.parameters()}
     dp, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
@@ -169,11 +183,12 @@ def test_cp2_ep2_fsdp_matches_single_device(reference):
     check(launch(run, 4, dict(cp=2, dp_shard=2, ep=2)), reference, "cp=2 x dp_shard=2 x ep=2")
 
 
-CP_PRETRAIN = ("--set", "aux_loss_coeff=0", "--set", "log_interval=1")
+CP_PRETRAIN = ("--set", "aux_loss_coeff=0.01", "--set", "log_interval=1")
 
 
 def test_pretrain_cp2_matches_single_device(tmp_path, capfd):
-    """`seekforge pretrain --parallel cp=2` trains the single device's curve; rank 0 alone logs, once a step."""
+    """`seekforge pretrain --parallel cp=2` trains the single device's curve (balance loss and aux-loss-free bias
+    on: the expert loads are summed over the cp ranks); rank 0 alone logs, once a step."""
     from test_pretrain_cli import LOSS_TOL, assert_same_curves, curves, pretrain_args, run_cli
     from test_pretrain_cli import STEPS as PRETRAIN_STEPS
 
@@ -192,8 +207,9 @@ def test_pretrain_cp2_matches_single_device(tmp_path, capfd):
     assert got[1]["tokens_per_s"] * got[1]["step_time_s"] == pytest.approx(4 * 32)  # the global batch's tokens
     ref, trained = load_hf(tmp_path / "single" / "hf").state_dict(), load_hf(tmp_path / "cp" / "hf").state_dict()
     worst = max((trained[k] - ref[k]).abs().max().item() for k in ref)
-    diffs = {k: max(abs(got[s][k] - single[s][k]) for s in got) for k in ("loss", "mtp_loss", "grad_norm")}
+    assert single[PRETRAIN_STEPS]["aux_loss"] > 1e-3  # the balance loss is on
+    diffs = {k: max(abs(got[s][k] - single[s][k]) for s in got) for k in ("loss", "mtp_loss", "aux_loss", "grad_norm")}
     diffs["eval_loss"] = abs(got[PRETRAIN_STEPS]["eval_loss"] - single[PRETRAIN_STEPS]["eval_loss"])
-    assert diffs["eval_loss"] <= LOSS_TOL
+    assert diffs["eval_loss"] <= LOSS_TOL and diffs["aux_loss"] <= LOSS_TOL
     print(f"pretrain cp=2: max |diff| {', '.join(f'{k} {v:.1e}' for k, v in diffs.items())}, weights {worst:.1e}")
     assert worst <= WEIGHT_TOL
