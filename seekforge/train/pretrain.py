@@ -293,7 +293,8 @@ def plain_copy(model, model_cfg: ModelConfig, mesh=None):
         state = {}
         for stage in model.modules:
             state.update(get_model_state_dict(stage, options=StateDictOptions(full_state_dict=True)))
-        sender = mesh["dp"].get_local_rank() == 0 and mesh["tp"].get_local_rank() == 0
+        sender = mesh["dp"].get_local_rank() == 0 and mesh["tp"].get_local_rank() == 0 and (
+            "cp" not in mesh.batch.mesh_dim_names or mesh["cp"].get_local_rank() == 0)  # cp ranks hold copies
         state = {k: v.cpu() for k, v in state.items()} if sender else {}
         parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object(state, parts, dst=0)
