@@ -40,7 +40,7 @@ def test_load_balanced_chunks_and_positions():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(cp=2, dp_shard=2, ep=2), "not supported yet"),
+    (dict(cp=2, dp_shard=4, ep=2, etp=2), "not supported yet"), (dict(cp=2, ep=2, ep_nodes=2), "not supported yet"),
     (dict(cp=2, mixed_precision="bf16"), "mixed_precision"), (dict(cp=0), "positive integer")])
 def test_refused_layouts(kwargs, match):
     with pytest.raises(ValueError, match=match):
