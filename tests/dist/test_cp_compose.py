@@ -183,33 +183,45 @@ def test_cp2_ep2_fsdp_matches_single_device(reference):
     check(launch(run, 4, dict(cp=2, dp_shard=2, ep=2)), reference, "cp=2 x dp_shard=2 x ep=2")
 
 
-CP_PRETRAIN = ("--set", "aux_loss_coeff=0.01", "--set", "log_interval=1")
+# Gradient accumulation over 2 steps, 4 layers (2 per pipeline stage), a balance loss that moves the routers.
+CP_PRETRAIN = ("--set", "aux_loss_coeff=0.01", "--set", "log_interval=1", "--grad-accum", "2",
+               "--set", "model.num_hidden_layers=4")
 
 
-def test_pretrain_cp2_matches_single_device(tmp_path, capfd):
-    """`seekforge pretrain --parallel cp=2` trains the single device's curve (balance loss and aux-loss-free bias
-    on: the expert loads are summed over the cp ranks); rank 0 alone logs, once a step."""
+@pytest.fixture(scope="module")
+def single_pretrain(tmp_path_factory):
+    from test_pretrain_cli import pretrain_args
+
+    from seekforge.cli import main
+
+    root = tmp_path_factory.mktemp("pretrain_single")
+    main(pretrain_args(root, *CP_PRETRAIN))
+    return root
+
+
+@pytest.mark.parametrize("world, layout", [(2, "cp=2"), (4, "cp=2,pp=2,microbatches=2")])
+def test_pretrain_with_cp_matches_single_device(world, layout, single_pretrain, tmp_path, capfd):
+    """`seekforge pretrain --parallel cp=2` (and with a pipeline) trains the single device's curve (balance loss
+    and aux-loss-free bias on: the expert loads are summed over the cp ranks); rank 0 alone logs, once a step."""
     from test_pretrain_cli import LOSS_TOL, assert_same_curves, curves, pretrain_args, run_cli
     from test_pretrain_cli import STEPS as PRETRAIN_STEPS
 
-    from seekforge.cli import main
     from seekforge.model.hf import load_hf
 
-    main(pretrain_args(tmp_path / "single", *CP_PRETRAIN))
     capfd.readouterr()
-    launch(run_cli, 2, pretrain_args(tmp_path / "cp", *CP_PRETRAIN, "--parallel", "cp=2"))
+    launch(run_cli, world, pretrain_args(tmp_path, *CP_PRETRAIN, "--parallel", layout))
     out = capfd.readouterr().out
-    assert out.count("parallel: 2 ranks (gloo), cp=2") == 1 and out.count("done:") == 1
+    assert out.count(f"parallel: {world} ranks (gloo), cp=2") == 1 and out.count("done:") == 1
     assert all(out.count(f"step {s:>5}/{PRETRAIN_STEPS}") == 1 for s in range(1, PRETRAIN_STEPS + 1)), out
-    single, got = curves(tmp_path / "single"), curves(tmp_path / "cp")
+    single, got = curves(single_pretrain), curves(tmp_path)
     assert sorted(got) == list(range(1, PRETRAIN_STEPS + 1))
     assert_same_curves(got, single, range(1, PRETRAIN_STEPS + 1))
-    assert got[1]["tokens_per_s"] * got[1]["step_time_s"] == pytest.approx(4 * 32)  # the global batch's tokens
-    ref, trained = load_hf(tmp_path / "single" / "hf").state_dict(), load_hf(tmp_path / "cp" / "hf").state_dict()
+    assert got[1]["tokens_per_s"] * got[1]["step_time_s"] == pytest.approx(2 * 4 * 32)  # the global batch's tokens
+    ref, trained = load_hf(single_pretrain / "hf").state_dict(), load_hf(tmp_path / "hf").state_dict()
     worst = max((trained[k] - ref[k]).abs().max().item() for k in ref)
     assert single[PRETRAIN_STEPS]["aux_loss"] > 1e-3  # the balance loss is on
     diffs = {k: max(abs(got[s][k] - single[s][k]) for s in got) for k in ("loss", "mtp_loss", "aux_loss", "grad_norm")}
     diffs["eval_loss"] = abs(got[PRETRAIN_STEPS]["eval_loss"] - single[PRETRAIN_STEPS]["eval_loss"])
     assert diffs["eval_loss"] <= LOSS_TOL and diffs["aux_loss"] <= LOSS_TOL
-    print(f"pretrain cp=2: max |diff| {', '.join(f'{k} {v:.1e}' for k, v in diffs.items())}, weights {worst:.1e}")
+    print(f"pretrain {layout}: max |diff| {', '.join(f'{k} {v:.1e}' for k, v in diffs.items())}, weights {worst:.1e}")
     assert worst <= WEIGHT_TOL
