@@ -77,9 +77,10 @@ class ParallelConfig:
         if self.sequence_parallel and self.pp > 1:
             raise ValueError("sequence_parallel=True with pp > 1 is not supported (pipeline stages would see "
                              "T/tp positions); set sequence_parallel=False or pp=1")
-        if self.dp_shard % self.ep:
-            raise ValueError(f"ep={self.ep} does not divide dp_shard={self.dp_shard}: experts are split over "
-                             f"data-parallel ranks; pick ep in {_divisors(self.dp_shard)} or raise dp_shard")
+        if self.dp_shard * self.cp % self.ep:  # with cp, ep may also borrow cp ranks (as torchtitan)
+            name = "dp_shard" if self.cp == 1 else "dp_shard*cp"
+            raise ValueError(f"ep={self.ep} does not divide {name}={self.dp_shard * self.cp}: experts are split over "
+                             f"data-parallel ranks; pick ep in {_divisors(self.dp_shard * self.cp)} or raise dp_shard")
         if self.ep % self.ep_nodes:
             raise ValueError(f"ep_nodes={self.ep_nodes} does not divide ep={self.ep}: every node holds the same "
                              f"number of expert-parallel ranks; pick ep_nodes in {_divisors(self.ep)}")
@@ -96,13 +97,12 @@ class ParallelConfig:
                                  f"pp rank); got {self.microbatches}: use microbatches >= {self.num_stages}")
 
     def _check_cp(self) -> None:
-        """Context parallelism runs alone or with FSDP, in fp32 or bf16 (the rest of issue 44 comes later)."""
+        """Context parallelism composes with FSDP/HSDP, TP, PP and EP, in fp32 or bf16; not yet with ep_nodes or etp."""
         if self.cp == 1:
             return
-        others = {k: getattr(self, k) for k in ("tp", "ep", "pp", "dp_replicate") if getattr(self, k) > 1}
-        if others:
-            raise ValueError(f"cp={self.cp} with {others} is not supported yet: context parallelism runs alone or "
-                             "with FSDP (dp_shard) for now (TP/EP/PP/HSDP are issue 44's next step); set those to 1")
+        if self.ep_nodes > 1 or self.etp > 1:
+            raise ValueError(f"cp={self.cp} with ep_nodes={self.ep_nodes}, etp={self.etp} is not supported yet (their "
+                             "meshes split dp_shard alone); use ep_nodes=1 and etp=1 with cp")
 
     def _check_etp(self) -> None:
         """Expert-TP splits each expert-parallel rank's experts over etp more data-parallel ranks."""

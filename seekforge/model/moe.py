@@ -483,6 +483,9 @@ class MoE(nn.Module):
         self.aux_loss_coeff, self.aux_grad_scale = 0.0, 1.0
         # Its detached value summed over the forward passes since the trainer last read it (for logs).
         self.aux_loss: torch.Tensor | float = 0.0
+        # Context parallelism: sums the per-row expert counts over the ranks holding the rows' other chunks
+        # (parallel/cp.py's RowCounts); None when this rank holds whole rows.
+        self.row_counts = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -512,7 +515,7 @@ class MoE(nn.Module):
                 num_tokens_per_expert = count_per_expert(indices.reshape(-1), self.cfg.n_routed_experts)
                 self.tokens_per_expert += num_tokens_per_expert.to(self.tokens_per_expert.dtype)
         if self.training and self.aux_loss_coeff > 0:
-            aux_loss = self.aux_loss_coeff * sequence_balance_loss(scores, indices, shape[0], self.cfg)
+            aux_loss = self.aux_loss_coeff * sequence_balance_loss(scores, indices, shape[0], self.cfg, self.row_counts)
             out = _AttachAuxLoss.apply(out, aux_loss, self.aux_grad_scale)
             if counting:
                 self.aux_loss = self.aux_loss + aux_loss.detach()
@@ -572,14 +575,22 @@ class _AttachAuxLoss(torch.autograd.Function):
         return grad_out, torch.full_like(aux_loss, ctx.grad_scale), None
 
 
-def sequence_balance_loss(scores: torch.Tensor, indices: torch.Tensor, batch: int, cfg: ModelConfig):
+def sequence_balance_loss(scores: torch.Tensor, indices: torch.Tensor, batch: int, cfg: ModelConfig,
+                          row_counts=None):
     """DeepSeek-V3 eq. 17–20: per sequence, Σ_i f_i · P_i with f_i the (scaled) fraction of tokens
-    routed to expert i and P_i its mean normalized affinity. scores (N, E), indices (N, K)."""
+    routed to expert i and P_i its mean normalized affinity. scores (N, E), indices (N, K).
+
+    row_counts: under context parallelism the rows' other chunks live on other ranks; row_counts(counts)
+    sums the (B, E) counts over them and row_counts.parts is their number. f_i then counts the whole row
+    (no gradient flows through it) and P_i takes only this rank's tokens, over the whole row's length: the
+    ranks' values sum to the row's loss, and each rank's gradient is its own tokens' share."""
     e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
     scores = scores.view(batch, -1, e)
     seq_len = scores.shape[1]
     probs = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
     counts = torch.zeros(batch, e, device=scores.device)
     counts.scatter_add_(1, indices.view(batch, -1), torch.ones(batch, seq_len * k, device=scores.device))
-    f = counts * e / (k * seq_len)
-    return (f * probs.mean(dim=1)).sum(dim=1).mean()
+    if row_counts is None:
+        return (counts * e / (k * seq_len) * probs.mean(dim=1)).sum(dim=1).mean()
+    row_len = seq_len * row_counts.parts
+    return (row_counts(counts) * e / (k * row_len) * probs.sum(dim=1) / row_len).sum(dim=1).mean()

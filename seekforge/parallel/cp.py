@@ -26,7 +26,14 @@ cp group), so the cp ranks' losses and gradients sum to the single device's; `al
 the gradients over cp after backward. With FSDP (dp_shard > 1, or mixed_precision="bf16", which
 `parallelize` applies through FSDP) the model is sharded over dp_shard × cp (parallel/mesh.py's
 dp_shard_cp) and FSDP's reduce-scatter averages over those dp·cp ranks: backward cp · loss then, and no
-all_reduce_grads.
+all_reduce_grads (`grad_scale` and `reduce_grads` pick by whether FSDP shards).
+
+With the other dimensions: TP splits each cp rank's heads (the latents stay whole, so the exchange is the
+same); a pipeline's stages forward their cp rank's chunks and the last stage scores its share through
+`shard_batch` and `share_of_mean` (parallel/pp.py); EP borrows its ranks from dp_shard × cp, so the
+all-to-all carries every cp rank's tokens; the expert loads of the aux-loss-free bias are summed over
+dp × cp (`data_group`). The weights are replicated over cp or FSDP-sharded over dp_shard × cp, which
+parallel/layout.py describes, so checkpoints move between cp and other layouts.
 """
 
 from __future__ import annotations
@@ -35,7 +42,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 
+from seekforge.model.dtensor import local_tensor
 from seekforge.model.loss import IGNORE_INDEX, mtp_shifted, objective
 
 
@@ -280,26 +289,34 @@ def cp_lm_loss(model, input_ids, labels, cp_mesh: DeviceMesh, mtp_loss_scale: fl
     this rank forwards its chunks. Returns (loss, metrics) whose sum over the cp ranks is the
     single-device loss; backward, then `all_reduce_grads`, gives its gradients. Under FSDP over
     dp_shard × cp (also bf16's), backward `cp · loss` instead (FSDP averages over the cp ranks too)."""
-    if any(moe.aux_loss_coeff > 0 for moe in model.moe_layers()):
-        raise ValueError("context parallelism with the sequence-wise balance loss (aux_loss_coeff > 0) is not "
-                         "supported yet: each cp rank would score its own chunks as the sequence; set it to 0")
-    cp, rank, group = cp_mesh.size(), cp_mesh.get_local_rank(), cp_mesh.get_group()
-    cfg = model.cfg
-    depths = cfg.num_nextn_predict_layers if mtp_loss_scale > 0 else 0
+    depths = model.cfg.num_nextn_predict_layers if mtp_loss_scale > 0 else 0
+    local_ids, local_labels, shifted = shard_batch(input_ids, labels, cp_mesh, depths)
+    positions = shard_positions(input_ids.shape[1], cp_mesh.size(), cp_mesh.get_local_rank(), input_ids.device)
+    attention = ContextParallelAttention(cp_mesh.get_group(), positions)
+    h, rope, mask = model.hidden(local_ids, positions, attention=attention)
+    return objective(model, h, local_ids, local_labels, rope, mask, None, mtp_loss_scale, shifted or None,
+                     share_of_mean(cp_mesh.get_group()))
+
+
+def shard_batch(input_ids, labels, cp_mesh: DeviceMesh, depths: int):
+    """Full rows (B, T) → this rank's ids and labels (B, T/cp) and, per MTP depth, the (token t+k ids, targets)
+    pairs computed on the full rows first (token t+k may sit on another rank), then cut the same way."""
+    cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
     shifted = [tuple(shard_sequence(t, cp, rank) for t in mtp_shifted(input_ids, labels, k))
                for k in range(1, depths + 1)]
-    positions = shard_positions(input_ids.shape[1], cp, rank, input_ids.device)
-    attention = ContextParallelAttention(group, positions)
-    local_ids, local_labels = shard_sequence(input_ids, cp, rank), shard_sequence(labels, cp, rank)
-    h, rope, mask = model.hidden(local_ids, positions, attention=attention)
+    return shard_sequence(input_ids, cp, rank), shard_sequence(labels, cp, rank), shifted
 
-    def reduce(loss, targets):  # this rank's mean → its share of the mean over all cp ranks' kept tokens
+
+def share_of_mean(group):
+    """objective's `reduce`: this rank's mean (over its kept targets) → its share of the mean over all the cp
+    ranks' kept targets, so the shares sum to the single device's mean."""
+    def reduce(loss, targets):
         kept = (targets != IGNORE_INDEX).sum()
         total = kept.clone()
         dist.all_reduce(total, group=group)
         return loss * (kept / total)
 
-    return objective(model, h, local_ids, local_labels, rope, mask, None, mtp_loss_scale, shifted or None, reduce)
+    return reduce
 
 
 def all_reduce_grads(model: nn.Module, cp_mesh: DeviceMesh) -> None:
@@ -307,4 +324,37 @@ def all_reduce_grads(model: nn.Module, cp_mesh: DeviceMesh) -> None:
     group = cp_mesh.get_group()
     for p in model.parameters():
         if p.grad is not None:
-            dist.all_reduce(p.grad, group=group)
+            dist.all_reduce(local_tensor(p.grad), group=group)  # under TP: this rank's shard, summed over cp
+
+
+class RowCounts:
+    """An MoE layer's `row_counts` under cp (parallel/parallelize.py sets it): the sequence-wise balance
+    loss's per-row expert counts (B, E) summed over the cp ranks, which hold the rows' other chunks."""
+
+    def __init__(self, cp_mesh: DeviceMesh):
+        self.group, self.parts = cp_mesh.get_group(), cp_mesh.size()
+
+    def __call__(self, counts: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(counts, group=self.group)
+        return counts
+
+
+def grad_scale(module: nn.Module, cp_mesh: DeviceMesh) -> int:
+    """What a cp rank multiplies its loss share by before backward: FSDP over dp_shard × cp (a module it
+    shards) averages the gradients over the cp ranks too, so cp; without FSDP `reduce_grads` sums them, so 1."""
+    return cp_mesh.size() if isinstance(module, FSDPModule) else 1
+
+
+def reduce_grads(modules: list[nn.Module], cp_mesh: DeviceMesh) -> None:
+    """After the backward passes of an optimizer step: sum the gradients over the cp ranks where FSDP did not."""
+    for module in modules:
+        if not isinstance(module, FSDPModule):
+            all_reduce_grads(module, cp_mesh)
+
+
+def data_group(mesh):
+    """The process group over which ranks see different tokens (of one tp and pp coordinate): the data-parallel
+    ranks, and with cp > 1 their cp ranks too (expert loads are summed over it: train/balance.py)."""
+    if "cp" not in mesh.batch.mesh_dim_names:
+        return mesh["dp"].get_group()
+    return mesh.batch["dp", "cp"]._flatten("dp_cp").get_group()

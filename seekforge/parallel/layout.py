@@ -267,14 +267,19 @@ def _merge(per_rank: list[dict], world_size: int) -> Layout:
 def mesh_ranks(pc, experts: bool = False) -> tuple[tuple[int, ...], tuple[str, ...], list[int]]:
     """parallel/mesh.py's views as (shape, dim names, row-major global ranks): the dense view
     (pp, dp_replicate, dp_shard, tp) or the experts view (pp, dp_replicate, dp_shard_mod_ep, ep, tp).
-    Both unflatten the same 1-D world mesh, so rank = row-major index. With expert-TP the experts view
-    is the etp one, (pp, dp_replicate, dp_shard_mod_etp, etp, ep, tp)."""
+    All unflatten the same 1-D world mesh, so rank = row-major index. With expert-TP the experts view
+    is the etp one, (pp, dp_replicate, dp_shard_mod_etp, etp, ep, tp). With context parallelism the dense
+    view is (pp, dp_replicate, dp_shard_cp, tp): the weights are FSDP-sharded over dp_shard × cp, or
+    replicated over the cp ranks without FSDP."""
     if experts and pc.etp > 1:
         return ((pc.pp, pc.dp_replicate, pc.dp_shard // (pc.ep * pc.etp), pc.etp, pc.ep, pc.tp),
                 ("pp", "dp_replicate", "dp_shard_mod_etp", "etp", "ep", "tp"), list(range(pc.world_size)))
     if experts:
-        return ((pc.pp, pc.dp_replicate, pc.dp_shard // pc.ep, pc.ep, pc.tp),
+        return ((pc.pp, pc.dp_replicate, pc.dp_shard * pc.cp // pc.ep, pc.ep, pc.tp),
                 ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "tp"), list(range(pc.world_size)))
+    if pc.cp > 1:
+        return (pc.pp, pc.dp_replicate, pc.dp_shard * pc.cp, pc.tp), ("pp", "dp_replicate", "dp_shard_cp", "tp"), \
+            list(range(pc.world_size))
     return (pc.pp, pc.dp_replicate, pc.dp_shard, pc.tp), ("pp", "dp_replicate", "dp_shard", "tp"), \
         list(range(pc.world_size))
 
@@ -309,7 +314,7 @@ def describe_layout(cfg, pc, dtype: torch.dtype = torch.float32) -> Layout:
     del meta
     dense_shape, dense_names, world = mesh_ranks(pc)
     expert_shape, expert_names, _ = mesh_ranks(pc, experts=True)
-    fsdp = pc.dp_replicate * pc.dp_shard > 1  # parallelize's rule (a size-1 FSDP splits nothing)
+    fsdp = pc.dp_replicate * pc.dp_shard > 1 or pc.ep > 1  # parallelize's rule (a size-1 FSDP splits nothing)
     ranges = stage_layer_ranges(cfg.num_hidden_layers, pc.num_stages, pc.pp_split_points)
     pp_of_stage = {s: p for p in range(pc.pp) for s in stage_ids_of_rank(p, pc)}
     last = pc.num_stages - 1
@@ -337,7 +342,7 @@ def describe_layout(cfg, pc, dtype: torch.dtype = torch.float32) -> Layout:
             steps.append((names.index("ep"), 0))
         if fsdp and name not in buffers:
             expert_dp = "dp_shard_mod_etp" if pc.etp > 1 else "dp_shard_mod_ep"
-            steps.append((names.index(expert_dp if experts else "dp_shard"), 0))
+            steps.append((names.index(expert_dp if experts else names[2]), 0))  # names[2]: dp_shard or dp_shard_cp
         placements = []
         for pp_rank in sorted({pp_of_stage[s] for s in stages_of(name)}):
             per_pp = len(world) // pc.pp

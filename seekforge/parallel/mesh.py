@@ -23,7 +23,9 @@ Context parallelism (cp > 1, parallel/cp.py) adds a "cp" dimension just inside t
 batch views: dense pp × dp_replicate × dp_shard × cp × tp, batch pp × dp × cp × tp, and a view
 pp × dp_replicate × dp_shard_cp × tp whose dp_shard_cp (dp_shard and cp flattened) FSDP shards over,
 as torchtitan does: the cp ranks' gradients are reduced with the data-parallel ones. With cp = 1
-the views are exactly as above.
+the views are exactly as above. Expert parallelism then borrows its ranks from dp_shard × cp (ep divides
+dp_shard · cp, and dp_shard_mod_ep is dp_shard · cp / ep), as torchtitan does: the all-to-all carries every cp
+rank's tokens.
 """
 
 from __future__ import annotations
@@ -76,7 +78,7 @@ def build_mesh(pc: ParallelConfig, model_cfg: ModelConfig, device_type: str | No
                              ("pp", "dp_replicate", "dp_shard", *cp_dim[1], "tp"))
     experts = None
     if pc.ep > 1:
-        experts = world._unflatten(0, (pc.pp, pc.dp_replicate, pc.dp_shard // pc.ep, pc.ep, pc.tp),
+        experts = world._unflatten(0, (pc.pp, pc.dp_replicate, pc.dp_shard * pc.cp // pc.ep, pc.ep, pc.tp),
                                    ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "tp"))
     batch = world._unflatten(0, (pc.pp, pc.dp_replicate * pc.dp_shard, *cp_dim[0], pc.tp),
                              ("pp", "dp", *cp_dim[1], "tp"))

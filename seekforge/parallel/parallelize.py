@@ -14,6 +14,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from seekforge.config import ParallelConfig
 from seekforge.model.model import block_slots
+from seekforge.model.moe import MoE
+from seekforge.parallel.cp import RowCounts
 from seekforge.parallel.ep import apply_ep
 from seekforge.parallel.fsdp import apply_fsdp, mixed_precision_policy
 from seekforge.parallel.recompute import apply_recompute
@@ -22,6 +24,9 @@ from seekforge.parallel.tp import apply_tp
 
 def parallelize(model: nn.Module, pc: ParallelConfig, mesh: DeviceMesh) -> nn.Module:
     """Apply pc's TP → EP → recompute → compile → FSDP to `model` in place; returns it."""
+    if pc.cp > 1:  # the balance loss's per-row counts span the cp ranks (parallel/cp.py)
+        for moe in [m for m in model.modules() if isinstance(m, MoE)]:
+            moe.row_counts = RowCounts(mesh["cp"])
     if pc.tp > 1:
         apply_tp(model, mesh["tp"], pc.sequence_parallel)
     if pc.ep > 1:
@@ -31,18 +36,24 @@ def parallelize(model: nn.Module, pc: ParallelConfig, mesh: DeviceMesh) -> nn.Mo
         apply_recompute(model, pc.recompute)
     if pc.compile:
         compile_blocks(model)
-    if pc.dp_replicate * pc.dp_shard > 1 or pc.mixed_precision != "fp32":
+    if uses_fsdp(pc):
         hsdp = pc.dp_replicate > 1
         dp_mesh = mesh["dp_replicate", "dp_shard"] if hsdp else mesh["dp_shard"]
         if pc.cp > 1:  # FSDP over dp_shard × cp: it reduces the cp ranks' gradients too (parallel/cp.py)
-            dp_mesh = mesh["dp_shard_cp"]
+            dp_mesh = mesh["dp_replicate", "dp_shard_cp"] if hsdp else mesh["dp_shard_cp"]
         expert_mesh = None
         if pc.ep > 1:  # the ranks holding the same expert shard: with expert-TP, the etp ranks hold different ones
             shard = "dp_shard_mod_etp" if pc.etp > 1 else "dp_shard_mod_ep"
             expert_mesh = mesh["dp_replicate", shard] if hsdp else mesh[shard]
         apply_fsdp(model, dp_mesh, mixed_precision_policy(pc.mixed_precision), expert_mesh,
-                   expert_grad_divide_factor=pc.dp_replicate * pc.dp_shard)
+                   expert_grad_divide_factor=pc.dp_replicate * pc.dp_shard * pc.cp)
     return model
+
+
+def uses_fsdp(pc: ParallelConfig) -> bool:
+    """Whether `parallelize` shards with FSDP: then FSDP also reduces the cp ranks' gradients (parallel/cp.py).
+    Expert parallelism always has it (its ranks are data-parallel, also under cp: ep | dp_shard · cp)."""
+    return pc.dp_replicate * pc.dp_shard > 1 or pc.ep > 1 or pc.mixed_precision != "fp32"
 
 
 def compile_blocks(model: nn.Module) -> nn.Module:

@@ -34,6 +34,7 @@ from seekforge.config import ParallelConfig
 from seekforge.model.dtensor import local_tensor, plain_tensor
 from seekforge.model.loss import objective
 from seekforge.model.moe import MoE
+from seekforge.parallel import cp as cp_module
 from seekforge.parallel.mesh import ParallelMesh
 from seekforge.parallel.parallelize import parallelize
 from seekforge.parallel.tp import loss_context
@@ -56,6 +57,7 @@ class StageModule(nn.Module):
             if len(self.mtp) and not is_first:
                 self.embed_tokens = copy.deepcopy(model.embed_tokens)  # MTP's copy; see module docstring
         self.compute_dtype: torch.dtype | None = None  # bf16: autocast the forward, as the trainer does
+        self.cp_mesh = None  # context parallelism: this stage sees its cp rank's chunks of every row (parallel/cp.py)
 
     def _autocast(self, device: torch.device):
         if self.compute_dtype is None:
@@ -67,16 +69,30 @@ class StageModule(nn.Module):
         with self._autocast(x.device):
             if self.is_first:
                 x = self.embed_tokens(x)
-            cos, sin = self.rotary(torch.arange(x.shape[1], device=x.device))
+            positions, attention = self._positions(x.shape[1], x.device)
+            cos, sin = self.rotary(positions)
             for layer in self.layers.values():
-                x = layer(x, cos, sin)
+                x = layer(x, cos, sin, attention)
         return x
 
-    def loss(self, h: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor, mtp_loss_scale: float):
-        """The objective (model/loss.py) on the final hidden h (B, T, H) → (loss, metrics)."""
+    def _positions(self, length: int, device: torch.device):
+        """The positions (T,) of this stage's `length` tokens and the attention over them: causal over the row,
+        or under cp this rank's global positions and ContextParallelAttention (its keys on every cp rank)."""
+        if self.cp_mesh is None:
+            return torch.arange(length, device=device), None
+        cp = self.cp_mesh.size()
+        positions = cp_module.shard_positions(length * cp, cp, self.cp_mesh.get_local_rank(), device)
+        return positions, cp_module.ContextParallelAttention(self.cp_mesh.get_group(), positions)
+
+    def loss(self, h: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor, mtp_loss_scale: float,
+             shifted=None):
+        """The objective (model/loss.py) on the final hidden h (B, T, H) → (loss, metrics). Under cp: this rank's
+        share, with `shifted` the MTP inputs and targets cut from the full rows (cp.shard_batch)."""
         with self._autocast(h.device):
-            rope = self.rotary(torch.arange(h.shape[1], device=h.device))
-            return objective(self, h, input_ids, labels, rope, mtp_loss_scale=mtp_loss_scale)
+            positions, attention = self._positions(h.shape[1], h.device)
+            reduce = None if self.cp_mesh is None else cp_module.share_of_mean(self.cp_mesh.get_group())
+            return objective(self, h, input_ids, labels, self.rotary(positions), attention, None, mtp_loss_scale,
+                             shifted or None, reduce)
 
 
 def stage_layer_ranges(num_layers: int, num_stages: int, split_points: list[int] | None) -> list[tuple[int, int]]:
@@ -121,8 +137,10 @@ class PipelineRunner:
         _exclude_metadata_inference(self.schedule, self)
 
     def _loss(self, h: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        # target (B, 2, T) carries the input ids along with the labels: MTP needs both on the last stage.
-        loss, parts = self.last.loss(h, target[:, 0], target[:, 1], self.mtp_loss_scale)
+        # target (B, 2, T) carries the input ids along with the labels: MTP needs both on the last stage. Under
+        # cp (B, 2 + 2·depths, T/cp): then also each MTP depth's token t+k ids and targets (cp.shard_batch).
+        shifted = [(target[:, 2 + 2 * k], target[:, 3 + 2 * k]) for k in range((target.shape[1] - 2) // 2)]
+        loss, parts = self.last.loss(h, target[:, 0], target[:, 1], self.mtp_loss_scale, shifted)
         self._parts.append({"loss": loss.detach(), **parts})
         return loss * self.loss_scale
 
@@ -136,8 +154,15 @@ class PipelineRunner:
         self._check_batch(input_ids)
         self.loss_scale = grad_scale / self.pc.microbatches
         self._parts = []
+        target = torch.stack([input_ids, labels], dim=1)
+        if self.pc.cp > 1:  # this cp rank's chunks; its loss share (× cp where FSDP averages over the cp ranks)
+            cp_mesh = self.mesh["cp"]
+            depths = self.modules[0].cfg.num_nextn_predict_layers if self.mtp_loss_scale > 0 else 0
+            input_ids, labels, shifted = cp_module.shard_batch(input_ids, labels, cp_mesh, depths)
+            target = torch.stack([input_ids, labels, *(t for pair in shifted for t in pair)], dim=1)
+            self.loss_scale *= cp_module.grad_scale(self.modules[0], cp_mesh)
         with loss_context(self.mesh["tp"]):
-            self.schedule.step(input_ids, target=torch.stack([input_ids, labels], dim=1))
+            self.schedule.step(input_ids, target=target)
         return self._mean_parts()
 
     def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -228,6 +253,7 @@ def parallel_stages(model: nn.Module, pc: ParallelConfig, mesh: ParallelMesh,
     modules = [StageModule(model, *ranges[i], i == 0, i == pc.num_stages - 1) for i in stage_ids]
     for module, stage_id in zip(modules, stage_ids, strict=True):
         module.compute_dtype = compute_dtype
+        module.cp_mesh = mesh["cp"] if pc.cp > 1 else None
         stage_pc = dataclasses.replace(pc, recompute=_stage_recompute(pc.recompute, *ranges[stage_id], module))
         parallelize(module, stage_pc, mesh)
     return stage_ids, modules

@@ -69,7 +69,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                             if plain != default else ")"))
     p.add_argument("--parallel", default=argparse.SUPPRESS, metavar="KEY=VALUE,...",
                    help="layout under torchrun: ParallelConfig keys, e.g. dp_shard=2,tp=2,ep=2 (world size = "
-                        "pp·dp_replicate·dp_shard·tp); default under torchrun: dp_shard=WORLD_SIZE")
+                        "pp·dp_replicate·dp_shard·cp·tp); default under torchrun: dp_shard=WORLD_SIZE")
     p.add_argument("--compile", action="store_true", default=argparse.SUPPRESS,
                    help="torch.compile each block (default: off)")
     p.add_argument("--no-resume", dest="resume", action="store_false", default=argparse.SUPPRESS,

@@ -127,8 +127,7 @@ def parallel_layout(cfg: TrainConfig, model_cfg: ModelConfig, world_size: int) -
         return None
     pc.validate(world_size, model_cfg)
     if pc.cp > 1:
-        raise ValueError(f"cp={pc.cp}: context parallelism is not wired into pretrain yet (parallel/cp.py's "
-                         "cp_lm_loss is its training step, tested alone); drop cp")
+        _check_cp(cfg, pc)
     dp = pc.dp_replicate * pc.dp_shard
     if cfg.micro_batch_size % dp:
         raise ValueError(f"micro_batch_size={cfg.micro_batch_size} (the global batch) does not split over "
@@ -138,6 +137,13 @@ def parallel_layout(cfg: TrainConfig, model_cfg: ModelConfig, world_size: int) -
                          f"microbatches={pc.microbatches}; make micro_batch_size a multiple of "
                          f"{dp * pc.microbatches}")
     return pc
+
+
+def _check_cp(cfg: TrainConfig, pc: ParallelConfig) -> None:
+    """What context parallelism needs of the run: rows that cut into 2·cp equal chunks."""
+    if cfg.seq_len % (2 * pc.cp):
+        raise ValueError(f"cp={pc.cp} cuts every row into {2 * pc.cp} equal chunks, but seq_len={cfg.seq_len}; "
+                         f"use a seq_len divisible by {2 * pc.cp}")
 
 
 def say_schedule_changes(saved_config: Path, cfg: TrainConfig, step: int, say) -> None:
@@ -239,7 +245,7 @@ def _describe(cfg: TrainConfig, pc: ParallelConfig | None, model_cfg: ModelConfi
         f"activated, +{counts['mtp'] / 1e6:.1f}M MTP), vocab {model_cfg.vocab_size}, {model_cfg.num_hidden_layers} "
         f"layers, {model_cfg.n_routed_experts} experts top-{model_cfg.num_experts_per_tok}")
     if pc is not None:
-        layout = {k: getattr(pc, k) for k in ("dp_replicate", "dp_shard", "tp", "ep", "pp") if getattr(pc, k) > 1}
+        layout = {k: getattr(pc, k) for k in ("dp_replicate", "dp_shard", "cp", "tp", "ep", "pp") if getattr(pc, k) > 1}
         say(f"parallel: {dist.get_world_size()} ranks ({dist.get_backend()}), "
             f"{', '.join(f'{k}={v}' for k, v in layout.items()) or 'no split'}")
     say(f"data: {cfg.data}, {trainer.tokens_per_step:,} tokens/step × {cfg.steps} steps; "
@@ -287,7 +293,8 @@ def plain_copy(model, model_cfg: ModelConfig, mesh=None):
         state = {}
         for stage in model.modules:
             state.update(get_model_state_dict(stage, options=StateDictOptions(full_state_dict=True)))
-        sender = mesh["dp"].get_local_rank() == 0 and mesh["tp"].get_local_rank() == 0
+        sender = mesh["dp"].get_local_rank() == 0 and mesh["tp"].get_local_rank() == 0 and (
+            "cp" not in mesh.batch.mesh_dim_names or mesh["cp"].get_local_rank() == 0)  # cp ranks hold copies
         state = {k: v.cpu() for k, v in state.items()} if sender else {}
         parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object(state, parts, dst=0)

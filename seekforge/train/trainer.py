@@ -11,7 +11,10 @@ Distributed seam: nothing here builds parallelism; the model arrives parallelize
 parallelize) and the loader yields this data-parallel rank's slice of the global batch. With a
 `mesh`, the loss runs under TP's loss context, expert loads are summed over the data-parallel
 ranks before the bias update, logged losses are their mean (the single-device loss of the global
-batch), only rank 0 logs, and checkpoints are DCP (each rank writes its shards).
+batch), only rank 0 logs, and checkpoints are DCP (each rank writes its shards). Under context
+parallelism (a mesh with a cp dimension) the cp ranks of a data-parallel rank get the same rows, each
+forwards its chunks and scores its share of the loss (parallel/cp.py), the shares × cp enter the rank
+mean, and the expert loads are summed over dp × cp.
 
 On the GPU path (model/gpu: CUDA) a step never waits for the device: its metrics stay device tensors
 (`train_step` returns them so) and `fit` reads them on logging steps only — those that print a log line,
@@ -45,6 +48,8 @@ from seekforge.model.gpu import gpu_path
 from seekforge.model.loss import lm_loss
 from seekforge.model.moe import MoE
 from seekforge.model.precision import resolve_dtype
+from seekforge.parallel import cp
+from seekforge.parallel.cp import data_group
 from seekforge.parallel.parallelize import compile_blocks
 from seekforge.parallel.recompute import apply_recompute
 from seekforge.parallel.tp import loss_context
@@ -85,8 +90,10 @@ class Trainer:
         self.cfg, self.model, self.loader = cfg, model, loader
         self.eval_batches = eval_batches or []
         self.out_dir = Path(out_dir or cfg.out_dir)
-        self.dp_group = mesh["dp"].get_group() if mesh is not None else None
+        self.dp_group = data_group(mesh) if mesh is not None else None  # dp (× cp): expert loads summed over it
         self.tp_mesh = mesh["tp"] if mesh is not None else None
+        # Context parallelism: every cp rank holds its chunks of the same rows (parallel/cp.py).
+        self.cp_mesh = mesh["cp"] if mesh is not None and "cp" in mesh.batch.mesh_dim_names else None
         self.baseline = baseline
         self.is_main = not _distributed() or dist.get_rank() == 0
         self.runner = None if isinstance(model, nn.Module) else model  # a PipelineRunner is no Module
@@ -101,8 +108,10 @@ class Trainer:
         self.moe_layers = [m for module in self.modules for m in module.modules() if isinstance(m, MoE)]
         # Forward passes per optimizer step: gradient accumulation × pipeline micro-batches.
         self.forwards_per_step = cfg.grad_accum * (self.runner.pc.microbatches if self.runner else 1)
+        # Under cp, each rank's balance loss is its share, scaled as its other loss terms (cp.grad_scale).
+        cp_scale = 1 if self.cp_mesh is None else cp.grad_scale(self.modules[0], self.cp_mesh)
         for moe in self.moe_layers:
-            moe.aux_loss_coeff, moe.aux_grad_scale = cfg.aux_loss_coeff, 1 / self.forwards_per_step
+            moe.aux_loss_coeff, moe.aux_grad_scale = cfg.aux_loss_coeff, cp_scale / self.forwards_per_step
         model_cfg = self.modules[0].cfg
         # The same names on every rank (all-reduced together); ranks without the last stage send zeros.
         self.loss_names = ["loss", "lm_loss"]
@@ -182,16 +191,20 @@ class Trainer:
             else:
                 with loss_context(self.tp_mesh), self._compute_weights():
                     with self._autocast():
-                        loss, parts = lm_loss(self.model, batch["input_ids"], batch["labels"],
-                                              batch.get("positions"), batch.get("segment_ids"), cfg.mtp_loss_scale)
+                        loss, parts = self._loss(batch, cfg.mtp_loss_scale)
                     self.probe.mark("forward")
-                    (loss / cfg.grad_accum).backward()
+                    scale = 1 if self.cp_mesh is None else cp.grad_scale(self.model, self.cp_mesh)
+                    (loss * scale / cfg.grad_accum).backward()
                 parts = {"loss": loss.detach(), **parts}
+            if self.cp_mesh is not None:  # a cp rank's share of its dp rank's loss: ranks are averaged below
+                parts = {name: value * self.cp_mesh.size() for name, value in parts.items()}
             self.probe.mark("backward")  # a pipeline's schedule: forward and backward together
             for name, value in parts.items():
                 sums[name] = sums[name] + plain_tensor(value).float() / cfg.grad_accum
         if self.runner is not None:
             self.runner.sync_tied_embedding_grads()
+        if self.cp_mesh is not None:
+            cp.reduce_grads(self.modules, self.cp_mesh)
         if "aux_loss" in sums:  # the balance loss is part of the step's loss, from every pipeline stage
             sums["aux_loss"] = self._take_aux_loss()
             sums["loss"] = sums["loss"] + sums["aux_loss"]
@@ -219,6 +232,16 @@ class Trainer:
         self.probe.end_step(self.step, metrics)
         return metrics
 
+    def _loss(self, batch: dict, mtp_loss_scale: float):
+        """The objective on one micro-batch (model/loss.py); under context parallelism this cp rank's share of it."""
+        if self.cp_mesh is None:
+            return lm_loss(self.model, batch["input_ids"], batch["labels"], batch.get("positions"),
+                           batch.get("segment_ids"), mtp_loss_scale)
+        if "segment_ids" in batch:
+            raise ValueError("context parallelism with packed documents (segment_ids) is not supported yet; "
+                             "use cp=1 for such data")
+        return cp.cp_lm_loss(self.model, batch["input_ids"], batch["labels"], self.cp_mesh, mtp_loss_scale)
+
     def read_metrics(self, records: list[dict], seconds: float) -> list[dict]:
         """train_step's records of the steps that took `seconds` together, their device tensors read as floats
         (lists for per-layer values) in one device→host copy — the one sync of a logging step on the GPU path —
@@ -245,6 +268,8 @@ class Trainer:
             moe.aux_loss = 0.0
         if self.pp_group is not None:
             dist.all_reduce(total, group=self.pp_group)
+        if self.cp_mesh is not None:  # this cp rank's share, as the other loss parts
+            total = total * self.cp_mesh.size()
         return total / self.forwards_per_step
 
     def _mean_over_loss_ranks(self, values: list[torch.Tensor]) -> torch.Tensor:
@@ -280,8 +305,9 @@ class Trainer:
                 parts = self.runner.evaluate(batch["input_ids"], batch["labels"])
             else:
                 with torch.no_grad(), loss_context(self.tp_mesh), self._compute_weights(), self._autocast():
-                    _, parts = lm_loss(self.model, batch["input_ids"], batch["labels"], batch.get("positions"),
-                                       batch.get("segment_ids"), mtp_loss_scale=0.0)
+                    _, parts = self._loss(batch, mtp_loss_scale=0.0)
+            if self.cp_mesh is not None and parts:  # this cp rank's share
+                parts = {"lm_loss": parts["lm_loss"] * self.cp_mesh.size()}
             losses.append(plain_tensor(parts["lm_loss"]).float() if parts else torch.zeros((), device=self.device))
         for module in self.modules:
             module.train()

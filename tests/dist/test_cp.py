@@ -37,8 +37,7 @@ def test_load_balanced_chunks_and_positions():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(cp=2, tp=2), "not supported yet"), (dict(cp=2, dp_shard=2, ep=2), "not supported yet"),
-    (dict(cp=2, pp=2, microbatches=2), "not supported yet"), (dict(cp=2, dp_replicate=2), "not supported yet"),
+    (dict(cp=2, dp_shard=4, ep=2, etp=2), "not supported yet"), (dict(cp=2, ep=2, ep_nodes=2), "not supported yet"),
     (dict(cp=0), "positive integer")])
 def test_refused_layouts(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -119,10 +118,3 @@ def test_plan_refuses_cp_for_now():
 
     with pytest.raises(ValueError, match="plan does not model context parallelism"):
         _layout("cp=2", model_config())
-
-
-def test_balance_loss_refused_for_now():
-    model = build_model(model_config(), seed=0)
-    model.moe_layers()[0].aux_loss_coeff = 1e-3
-    with pytest.raises(ValueError, match="sequence-wise balance loss"):
-        cp_lm_loss(model, torch.zeros(1, SEQ, dtype=torch.long), torch.zeros(1, SEQ, dtype=torch.long), None)
