@@ -41,8 +41,9 @@ def add_arguments(p):
     memory.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
                         help="compute: bf16 autocast over fp32 master weights (pretrain's bf16), or fp32")
     memory.add_argument("--optimizer-dtype", choices=("fp32", "bf16"), default="fp32", help="AdamW moments")
-    memory.add_argument("--moe-skew", type=float, default=1.0,
-                        help="busiest expert-parallel rank's routed tokens over the mean")
+    memory.add_argument("--moe-skew", type=_skews, default=1.0, metavar="SKEW[,SKEW,...]",
+                        help="busiest expert-parallel rank's routed tokens over the mean (every EP rank planned "
+                             "as it), or one value per EP rank, comma-separated (one row each), e.g. 1.3,0.7")
     memory.add_argument("--flash-attention", action="store_true",
                         help="count the CUDA SDPA path (no T x T probabilities kept) instead of the CPU one")
     memory.add_argument("--traced", action="store_true",
@@ -108,9 +109,17 @@ def _layout(spec: str, cfg: ModelConfig, **overrides) -> ParallelConfig:
     plan accepts, pretrain runs."""
     pc = ParallelConfig.from_table({**(parse_parallel(spec) if spec else {}), **overrides})
     pc.validate(pc.world_size, cfg)
-    if pc.cp > 1:
-        raise ValueError(f"cp={pc.cp}: plan does not model context parallelism yet; drop cp")
     return pc
+
+
+def _skews(text: str) -> float | list[float]:
+    """--moe-skew: one number, or one per EP rank ("1.3,0.7"); estimate_memory checks the count."""
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number (e.g. 1.2) or one per EP rank, comma-separated "
+                                         "(e.g. 1.3,0.7)") from None
+    return values[0] if len(values) == 1 and "," not in text else values
 
 
 # (flags, the test a value must pass, the fix): counts are at least 1, as TrainConfig and ParallelConfig want
@@ -118,8 +127,10 @@ def _layout(spec: str, cfg: ModelConfig, **overrides) -> ParallelConfig:
 _BOUNDS = (
     (("pp", "microbatches", "micro_batch_size", "seq_len", "devices", "devices_per_node", "global_batch", "top"),
      lambda v: v >= 1, "give at least 1"),
-    (("moe_skew",), lambda v: math.isfinite(v) and v >= 1,
-     "give at least 1 (the busiest expert-parallel rank's routed tokens over the mean)"),
+    (("moe_skew",), lambda v: math.isfinite(v) and v >= 1 if isinstance(v, float)
+     else all(math.isfinite(x) and x >= 0 for x in v),
+     "give at least 1 (the busiest expert-parallel rank's routed tokens over the mean), or one value >= 0 per "
+     "expert-parallel rank"),
     (("flops", "intra_node_bandwidth", "inter_node_bandwidth"), lambda v: math.isfinite(v) and v > 0,
      "give a rate > 0"),
     (("forward", "backward_input", "backward_weight", "recompute", "p2p_latency"),
@@ -149,7 +160,8 @@ def _memory(args):
                            4 if args.optimizer_dtype == "fp32" else 2, args.moe_skew,
                            flash_attention=args.flash_attention)
     print(f"{pc.world_size} ranks, {args.micro_batch_size} x {args.seq_len} tokens per data-parallel rank, "
-          f"{args.dtype}, recompute={pc.recompute}")
+          f"{args.dtype}, recompute={pc.recompute}" + (f"; cp={pc.cp}: each rank holds {args.seq_len // pc.cp} "
+                                                       "tokens of every sequence" if pc.cp > 1 else ""))
     print(format_plan(plan))
     print(f"peak {plan.peak / GiB:.2f} GiB")
     if args.traced:
