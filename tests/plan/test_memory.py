@@ -94,8 +94,9 @@ def test_traced_mode_shards_under_fsdp_and_refuses_what_it_cannot_fake():
         traced = traced_peak(cfg, 2, 64, pc=pc)  # its fake collectives end at once: none in flight
         plan = estimate_memory(cfg, pc or ParallelConfig(), 2, 64, collectives_in_flight=False)
         assert traced == pytest.approx(plan.peak, rel=TOLERANCE)
-    with pytest.raises(ValueError, match="analytic"):
-        traced_peak(cfg, 2, 64, pc=ParallelConfig(dp_shard=2, ep=2))
+    for pc in (ParallelConfig(dp_shard=2, ep=2), ParallelConfig(cp=2)):
+        with pytest.raises(ValueError, match="analytic"):
+            traced_peak(cfg, 2, 64, pc=pc)
 
 
 def test_profiler_reference_sees_what_no_operator_returns():
