@@ -312,14 +312,15 @@ class UnitBytes:
         whose reduce-scatter is still in flight (FSDP2 overlaps it with this group's backward; gloo
         copies it on a worker thread, a CUDA stream keeps it until the collective ends). Measured on
         gloo (benchmarks/plan_memory.py, the profiler's record): 0 to 3 such copies live at the peak,
-        by timing; one is counted, two under expert-TP with whole weights, whose synchronous
-        all-to-alls over the etp ranks (the ranks the experts' reduce-scatter runs over then) hold it
-        back in backward (measured 8–22 MiB above LiveBytes' count on etp=2 × ep=2, 0–12 MiB without)."""
+        by timing; one is counted, two under expert-TP, whose synchronous all-to-alls over the etp ranks
+        (gather, reduce-scatter, and with sharded weights the gate/up exchange) hold the reduce-scatters
+        back in backward (measured on etp=2 × ep=2: 8–22 MiB above LiveBytes' count with whole weights,
+        4–13 MiB with sharded ones; 0–12 MiB without etp)."""
         if self.shard == 1 and self.pc.dp_replicate == 1:
             return 0.0
         largest = max((m.unit.attn_params + m.unit.dense_params) / self.pc.tp + m.unit.expert_params * self.expert_share
                        for m in mems)
-        in_flight = (2 if self.pc.etp > 1 and not self.etp_sharded else 1) if self.in_flight else 0
+        in_flight = (2 if self.pc.etp > 1 else 1) if self.in_flight else 0
         return largest * (self.gathered_dtype + 4 + 4 * in_flight)
 
     def unit(self, u: Unit, mode: str) -> UnitMemory:
