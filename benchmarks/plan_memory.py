@@ -3,7 +3,7 @@ the peak measured during a real training step (train/trainer.Trainer: bf16 over 
 train/master.py, on one process, autocast or FSDP2's policy on several; AdamW, chunked cross-entropy;
 pipeline stages through PipelineRunner), on one process and on gloo ranks.
 
-    python benchmarks/plan_memory.py [--cases single-dense,fsdp2-moe] [--threads 1]
+    python benchmarks/plan_memory.py [--cases single-dense,fsdp2-moe] [--threads 1] [--repeats 3]
 
 The second training step is measured (the first creates the AdamW states). The reference is the
 profiler's allocation record (plan/measure.ProfilerLiveBytes: every allocation and free from before
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import statistics
 import sys
 import tempfile
 from contextlib import contextmanager
@@ -200,16 +201,21 @@ def _rank_main(rank: int, world: int, tmp: str, case: Case, out: dict) -> None:
     dist.destroy_process_group()
 
 
-def measure(case: Case) -> list[dict]:
-    """Per rank, measure_rank's numbers."""
+def measure(case: Case, repeats: int = 1) -> list[dict]:
+    """Per rank, measure_rank's numbers; on gloo ranks the median of `repeats` runs of each (gloo copies
+    in-flight reduce-scatter inputs on its worker threads, so the profiler's peak under FSDP varies with
+    how far those threads lag: with the machine's load)."""
     pc = ParallelConfig(**case.parallel)
     if pc.world_size == 1:
         return [measure_rank(case)]
     os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
-        out = manager.dict()
-        mp.spawn(_rank_main, args=(pc.world_size, tmp, case, out), nprocs=pc.world_size, join=True)
-        return [out[r] for r in range(pc.world_size)]
+    runs = []
+    for _ in range(repeats):
+        with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
+            out = manager.dict()
+            mp.spawn(_rank_main, args=(pc.world_size, tmp, case, out), nprocs=pc.world_size, join=True)
+            runs.append([out[r] for r in range(pc.world_size)])
+    return [{key: statistics.median(run[r][key] for run in runs) for key in runs[0][r]} for r in range(pc.world_size)]
 
 
 def predict(case: Case, moe_skew: float | list[float] = 1.0) -> MemoryPlan:
@@ -231,11 +237,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cases", default=",".join(c.name for c in CASES))
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each gloo case; the median per rank")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     chosen = [c for c in CASES if c.name in args.cases.split(",")]
     print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, torch {torch.__version__}, small preset; "
-          "peak live MiB of the 2nd training step, per rank (r0/r1/...); "
+          f"peak live MiB of the 2nd training step, per rank (r0/r1/...; gloo ranks: median of {args.repeats} "
+          "runs); "
           "errors against the profiler's allocation record")
     print(f"{'case':<21}{'predicted':>24}{'profiler':>24}{'error':>26}{'LiveBytes err':>26}{'traced err':>11}"
           f"{'EP skew':>20}{'routed err':>26}")
@@ -248,7 +256,7 @@ def main() -> None:
             cfg = train_config(case)
             traced = traced_peak(cfg.model_config(), case.micro_batch_size, case.seq_len, case.dtype, case.recompute,
                                  pc=pc)
-        measured = measure(case)
+        measured = measure(case, args.repeats)
         skews = ep_skews(case, measured)
         routed = predict(case, skews) if skews else None
         refs = [m["profiler"] for m in measured]
