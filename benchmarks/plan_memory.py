@@ -3,7 +3,7 @@ the peak measured during a real training step (train/trainer.Trainer: bf16 over 
 train/master.py, on one process, autocast or FSDP2's policy on several; AdamW, chunked cross-entropy;
 pipeline stages through PipelineRunner), on one process and on gloo ranks.
 
-    python benchmarks/plan_memory.py [--cases single-dense,fsdp2-moe] [--threads 1]
+    python benchmarks/plan_memory.py [--cases single-dense,fsdp2-moe] [--threads 1] [--repeats 3]
 
 The second training step is measured (the first creates the AdamW states). The reference is the
 profiler's allocation record (plan/measure.ProfilerLiveBytes: every allocation and free from before
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import statistics
 import sys
 import tempfile
 from contextlib import contextmanager
@@ -69,13 +70,20 @@ CASES = [
     Case("i44-fp32", ISSUE44, dtype="fp32", **I44),
     Case("i44-fsdp2-ep2-fp32", ISSUE44, dict(dp_shard=2, ep=2), dtype="fp32", **I44),
     Case("i44-pp2-1f1b", ISSUE44, dict(pp=2, pp_schedule="1F1B", microbatches=3), **I44),
+    # context parallelism runs in fp32 for now (ParallelConfig); its cp ranks share the 3 rows
+    Case("i44-cp2-fp32", ISSUE44, dict(cp=2), dtype="fp32", **I44),
+    Case("i44-cp2-fsdp2-fp32", ISSUE44, dict(cp=2, dp_shard=2), dtype="fp32", **I44),
+    Case("i44-etp2-ep2", ISSUE44, dict(dp_shard=4, ep=2, etp=2), **I44),
+    Case("i44-ep4-nodes2", ISSUE44, dict(dp_shard=4, ep=4, ep_nodes=2), **I44),
 ]
 
 
 def train_config(case: Case) -> TrainConfig:
+    # cp_lm_loss refuses the sequence-wise balance loss for now (parallel/cp.py)
+    aux = {"aux_loss_coeff": 0.0} if case.parallel.get("cp", 1) > 1 else {}
     return TrainConfig(preset="small", model=case.model, seq_len=case.seq_len, micro_batch_size=case.micro_batch_size,
                        recompute=case.recompute, dtype=case.dtype, peak_flops=1.0, eval_interval=0,
-                       parallel=case.parallel, out_dir=tempfile.gettempdir())
+                       parallel=case.parallel, out_dir=tempfile.gettempdir(), **aux)
 
 
 def measure_rank(case: Case, mesh=None) -> dict:
@@ -114,33 +122,70 @@ def _train_and_measure(case: Case, mesh, reference) -> tuple[int, float]:
             yield {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
 
     trainer = Trainer(cfg, model, loader(), mesh=mesh)
-    trainer.train_step()
-    tracker = LiveBytes(state_tensors(trainer.modules, trainer.optimizers, trainer.master_weights))
-    with reference.window(), tracker, _routed_copies(trainer) as copies:
+    with _context_parallel_step(model, pc, mesh):
         trainer.train_step()
+        tracker = LiveBytes(state_tensors(trainer.modules, trainer.optimizers, trainer.master_weights))
+        with reference.window(), tracker, _routed_copies(trainer) as copies:
+            trainer.train_step()
     return tracker.peak, copies[0] / copies[1] if copies[1] else 1.0
+
+
+@contextmanager
+def _context_parallel_step(model, pc: ParallelConfig, mesh):
+    """Under cp > 1, the Trainer's step as tests/dist/test_cp.py runs it (pretrain does not run cp yet):
+    parallel/cp.py's cp_lm_loss for lm_loss (each cp rank forwards its chunks of the shared rows),
+    backward cp · loss under FSDP (it averages over dp_shard × cp), else the gradients summed over cp
+    before the clip."""
+    if pc.cp == 1:
+        yield
+        return
+    import seekforge.train.trainer as trainer_module
+    from seekforge.parallel.cp import all_reduce_grads, cp_lm_loss
+
+    lm_loss, clip = trainer_module.lm_loss, trainer_module.clip_grad_norm
+    fsdp = pc.dp_shard > 1
+
+    def cp_loss(model, input_ids, labels, positions=None, segment_ids=None, mtp_loss_scale=0.3):
+        loss, parts = cp_lm_loss(model, input_ids, labels, mesh["cp"], mtp_loss_scale)
+        return (loss * pc.cp if fsdp else loss), parts
+
+    def summed_clip(params, *args, **kwargs):
+        if not fsdp:
+            all_reduce_grads(model, mesh["cp"])
+        return clip(params, *args, **kwargs)
+
+    trainer_module.lm_loss, trainer_module.clip_grad_norm = cp_loss, summed_clip
+    try:
+        yield
+    finally:
+        trainer_module.lm_loss, trainer_module.clip_grad_norm = lm_loss, clip
 
 
 @contextmanager
 def _routed_copies(trainer):
     """Yields [copies received, copies sent] by this rank's expert-parallel dispatches (summed over MoE
-    layers), counted while the block runs."""
-    from seekforge.parallel.ep import AllToAllDispatcher
+    layers), counted while the block runs (flat or hierarchical; under expert-TP its own copies, before
+    the etp ranks gather theirs)."""
+    from seekforge.parallel.ep import AllToAllDispatcher, HierarchicalDispatcher
 
     counts = [0, 0]
-    original = AllToAllDispatcher.dispatch
+    originals = {cls: cls.dispatch for cls in (AllToAllDispatcher, HierarchicalDispatcher)}
 
-    def dispatch(self, x, indices, num_experts):
-        received, per_expert, state = original(self, x, indices, num_experts)
-        counts[0] += received.shape[0]
-        counts[1] += indices.numel()
-        return received, per_expert, state
+    def counting(original):
+        def dispatch(self, x, indices, num_experts):
+            received, per_expert, state = original(self, x, indices, num_experts)
+            counts[0] += int(per_expert.sum())
+            counts[1] += indices.numel()
+            return received, per_expert, state
+        return dispatch
 
-    AllToAllDispatcher.dispatch = dispatch
+    for cls, original in originals.items():
+        cls.dispatch = counting(original)
     try:
         yield counts
     finally:
-        AllToAllDispatcher.dispatch = original
+        for cls, original in originals.items():
+            cls.dispatch = original
 
 
 def _rank_main(rank: int, world: int, tmp: str, case: Case, out: dict) -> None:
@@ -156,16 +201,21 @@ def _rank_main(rank: int, world: int, tmp: str, case: Case, out: dict) -> None:
     dist.destroy_process_group()
 
 
-def measure(case: Case) -> list[dict]:
-    """Per rank, measure_rank's numbers."""
+def measure(case: Case, repeats: int = 1) -> list[dict]:
+    """Per rank, measure_rank's numbers; on gloo ranks the median of `repeats` runs of each (gloo copies
+    in-flight reduce-scatter inputs on its worker threads, so the profiler's peak under FSDP varies with
+    how far those threads lag: with the machine's load)."""
     pc = ParallelConfig(**case.parallel)
     if pc.world_size == 1:
         return [measure_rank(case)]
     os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
-        out = manager.dict()
-        mp.spawn(_rank_main, args=(pc.world_size, tmp, case, out), nprocs=pc.world_size, join=True)
-        return [out[r] for r in range(pc.world_size)]
+    runs = []
+    for _ in range(repeats):
+        with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
+            out = manager.dict()
+            mp.spawn(_rank_main, args=(pc.world_size, tmp, case, out), nprocs=pc.world_size, join=True)
+            runs.append([out[r] for r in range(pc.world_size)])
+    return [{key: statistics.median(run[r][key] for run in runs) for key in runs[0][r]} for r in range(pc.world_size)]
 
 
 def predict(case: Case, moe_skew: float | list[float] = 1.0) -> MemoryPlan:
@@ -187,23 +237,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cases", default=",".join(c.name for c in CASES))
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each gloo case; the median per rank")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     chosen = [c for c in CASES if c.name in args.cases.split(",")]
     print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, torch {torch.__version__}, small preset; "
-          "peak live MiB of the 2nd training step, per rank (r0/r1); errors against the profiler's allocation record")
-    print(f"{'case':<21}{'predicted':>14}{'profiler':>14}{'error':>14}{'LiveBytes err':>15}{'traced err':>12}"
-          f"{'EP skew':>11}{'routed err':>14}")
+          f"peak live MiB of the 2nd training step, per rank (r0/r1/...; gloo ranks: median of {args.repeats} "
+          "runs); "
+          "errors against the profiler's allocation record")
+    print(f"{'case':<21}{'predicted':>24}{'profiler':>24}{'error':>26}{'LiveBytes err':>26}{'traced err':>11}"
+          f"{'EP skew':>20}{'routed err':>26}")
     worst = 0.0
     for case in chosen:
         plan = predict(case)
         traced = None
         pc = train_config(case).parallel_config()
-        if pc.ep == pc.pp == pc.tp == 1:  # the traced mode covers one device and FSDP/HSDP
+        if pc.ep == pc.pp == pc.tp == pc.cp == 1:  # the traced mode covers one device and FSDP/HSDP
             cfg = train_config(case)
             traced = traced_peak(cfg.model_config(), case.micro_batch_size, case.seq_len, case.dtype, case.recompute,
                                  pc=pc)
-        measured = measure(case)
+        measured = measure(case, args.repeats)
         skews = ep_skews(case, measured)
         routed = predict(case, skews) if skews else None
         refs = [m["profiler"] for m in measured]
@@ -214,13 +267,13 @@ def main() -> None:
         def joined(values, fmt):
             return "/".join(format(v, fmt) for v in values)
 
-        row = (f"{case.name:<21}{joined([p / 2**20 for p in predicted], '.1f'):>14}"
-               f"{joined([r / 2**20 for r in refs], '.1f'):>14}{joined(errors, '+.1%'):>14}"
-               f"{joined([m['live'] / r - 1 for m, r in zip(measured, refs, strict=True)], '+.1%'):>15}")
-        row += f"{traced / refs[0] - 1:>+12.1%}" if traced is not None else f"{'-':>12}"
+        row = (f"{case.name:<21}{joined([p / 2**20 for p in predicted], '.1f'):>24}"
+               f"{joined([r / 2**20 for r in refs], '.1f'):>24}{joined(errors, '+.1%'):>26}"
+               f"{joined([m['live'] / r - 1 for m, r in zip(measured, refs, strict=True)], '+.1%'):>26}")
+        row += f"{traced / refs[0] - 1:>+11.1%}" if traced is not None else f"{'-':>11}"
         if routed is not None:
             at = [routed.rank_peak(rank) / r - 1 for rank, r in enumerate(refs)]
-            row += f"{joined([m['skew'] for m in measured], '.2f'):>11}{joined(at, '+.1%'):>14}"
+            row += f"{joined([m['skew'] for m in measured], '.2f'):>20}{joined(at, '+.1%'):>26}"
         print(row, flush=True)
     print(f"largest |error| of the analytic estimate {worst:.1%}")
 

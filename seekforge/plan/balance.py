@@ -84,7 +84,7 @@ def analytic_costs(cfg: ModelConfig, pc: ParallelConfig, micro_batch_size: int, 
     plan/memory.py's per-unit model; micro_batch_size is one pipeline micro-batch."""
     shape = mem.UnitBytes(cfg, pc, micro_batch_size, seq_len, 2 if dtype == "bf16" else 4, 1.0, flash_attention)
     tokens = micro_batch_size * seq_len
-    per_device = pc.tp  # tensor parallel splits every matmul
+    per_device = pc.tp * pc.cp  # tensor parallel splits every matmul, context parallel every row
 
     def seconds(unit):
         fwd, bwd = unit_flops(cfg, unit, tokens, seq_len)

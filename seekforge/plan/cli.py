@@ -41,8 +41,9 @@ def add_arguments(p):
     memory.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
                         help="compute: bf16 autocast over fp32 master weights (pretrain's bf16), or fp32")
     memory.add_argument("--optimizer-dtype", choices=("fp32", "bf16"), default="fp32", help="AdamW moments")
-    memory.add_argument("--moe-skew", type=float, default=1.0,
-                        help="busiest expert-parallel rank's routed tokens over the mean")
+    memory.add_argument("--moe-skew", type=_skews, default=1.0, metavar="SKEW[,SKEW,...]",
+                        help="busiest expert-parallel rank's routed tokens over the mean (every EP rank planned "
+                             "as it), or one value per EP rank, comma-separated (one row each), e.g. 1.3,0.7")
     memory.add_argument("--flash-attention", action="store_true",
                         help="count the CUDA SDPA path (no T x T probabilities kept) instead of the CPU one")
     memory.add_argument("--traced", action="store_true",
@@ -108,9 +109,17 @@ def _layout(spec: str, cfg: ModelConfig, **overrides) -> ParallelConfig:
     plan accepts, pretrain runs."""
     pc = ParallelConfig.from_table({**(parse_parallel(spec) if spec else {}), **overrides})
     pc.validate(pc.world_size, cfg)
-    if pc.cp > 1:
-        raise ValueError(f"cp={pc.cp}: plan does not model context parallelism yet; drop cp")
     return pc
+
+
+def _skews(text: str) -> float | list[float]:
+    """--moe-skew: one number, or one per EP rank ("1.3,0.7"); estimate_memory checks the count."""
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number (e.g. 1.2) or one per EP rank, comma-separated "
+                                         "(e.g. 1.3,0.7)") from None
+    return values[0] if len(values) == 1 and "," not in text else values
 
 
 # (flags, the test a value must pass, the fix): counts are at least 1, as TrainConfig and ParallelConfig want
@@ -118,8 +127,10 @@ def _layout(spec: str, cfg: ModelConfig, **overrides) -> ParallelConfig:
 _BOUNDS = (
     (("pp", "microbatches", "micro_batch_size", "seq_len", "devices", "devices_per_node", "global_batch", "top"),
      lambda v: v >= 1, "give at least 1"),
-    (("moe_skew",), lambda v: math.isfinite(v) and v >= 1,
-     "give at least 1 (the busiest expert-parallel rank's routed tokens over the mean)"),
+    (("moe_skew",), lambda v: math.isfinite(v) and v >= 1 if isinstance(v, float)
+     else all(math.isfinite(x) and x >= 0 for x in v),
+     "give at least 1 (the busiest expert-parallel rank's routed tokens over the mean), or one value >= 0 per "
+     "expert-parallel rank"),
     (("flops", "intra_node_bandwidth", "inter_node_bandwidth"), lambda v: math.isfinite(v) and v > 0,
      "give a rate > 0"),
     (("forward", "backward_input", "backward_weight", "recompute", "p2p_latency"),
@@ -149,7 +160,8 @@ def _memory(args):
                            4 if args.optimizer_dtype == "fp32" else 2, args.moe_skew,
                            flash_attention=args.flash_attention)
     print(f"{pc.world_size} ranks, {args.micro_batch_size} x {args.seq_len} tokens per data-parallel rank, "
-          f"{args.dtype}, recompute={pc.recompute}")
+          f"{args.dtype}, recompute={pc.recompute}" + (f"; cp={pc.cp}: each rank holds {args.seq_len // pc.cp} "
+                                                       "tokens of every sequence" if pc.cp > 1 else ""))
     print(format_plan(plan))
     print(f"peak {plan.peak / GiB:.2f} GiB")
     if args.traced:
@@ -188,28 +200,23 @@ def _schedule(args):
 
 
 def _balance(args):
-    from seekforge.plan.balance import (
-        MODES,
-        analytic_costs,
-        balance_stages,
-        even_split,
-        inflight_per_stage,
-        simulated_step,
-    )
-    from seekforge.plan.memory import estimate_memory
+    from seekforge.plan.balance import MODES, analytic_costs, even_split, inflight_per_stage, simulated_step
 
     cfg = _model(args)
     microbatches = args.microbatches or 2 * args.pp
     pc = _layout(args.parallel, cfg, pp=args.pp, pp_schedule=args.schedule, microbatches=microbatches,
                  mixed_precision="bf16")
-    limit = parse_bytes(args.device_memory) / pc.stages_per_rank
+    device = parse_bytes(args.device_memory)
+    limit = device / pc.stages_per_rank
     costs = analytic_costs(cfg, pc, args.micro_batch_size, args.seq_len, args.flops)
     inflight = inflight_per_stage(pc)
-    best = balance_stages(costs, pc.num_stages, microbatches, limit, inflight)
+    best, check, limit = _fitting_balance(cfg, pc, costs, inflight, limit, device, args.micro_batch_size,
+                                          args.seq_len)
     evens = [e for e in (even_split(costs, pc.num_stages, microbatches, m, inflight) for m in MODES)
              if max(e.stage_memory) <= limit]
     print(f"{cfg.num_hidden_layers} layers over {pc.num_stages} stages ({pc.pp_schedule}), {microbatches} "
-          f"micro-batches of {args.micro_batch_size} x {args.seq_len}, {limit / GiB:.1f} GiB per stage")
+          f"micro-batches of {args.micro_batch_size} x {args.seq_len}, {limit / GiB:.1f} GiB per stage for state and "
+          "in-flight activations")
     print(f"{'stage':>5} {'layers':>9} {'recompute':>10} {'time s':>9} {'memory GiB':>11}")
     bounds = [0, *best.split_points, cfg.num_hidden_layers]
     for s in range(pc.num_stages):
@@ -224,15 +231,31 @@ def _balance(args):
               f"balanced: step time {sim / even_sim - 1:+.1%}, tokens/s x{even_sim / sim:.2f}")
     else:
         print("no even split fits, whatever the recompute mode")
-    # The balancer's stage memory is state + in-flight activations; the full dry run of the same
-    # layout adds the backward's transients and FSDP's gathered weights.
-    layout = dataclasses.replace(pc, pp_split_points=best.split_points, recompute=best.layer_modes(cfg))
-    check = estimate_memory(cfg, layout, args.micro_batch_size * microbatches, args.seq_len, flash_attention=True)
-    print(f"dry run of this layout (plan memory): peak {check.peak / GiB:.1f} GiB per rank")
+    print(f"dry run of this layout (plan memory): peak {check.peak / GiB:.1f} GiB per rank, "
+          f"{1 - check.peak / device:+.1%} headroom under {device / GiB:.1f} GiB")
     # pretrain's --micro-batch-size is the global batch: per data-parallel rank, `microbatches` of these
     global_batch = args.micro_batch_size * microbatches * pc.dp_replicate * pc.dp_shard
     print(f"pretrain flags: --seq-len {args.seq_len} --micro-batch-size {global_batch} "
           f"--parallel {best.parallel_arg(cfg, pc)}")
+
+
+def _fitting_balance(cfg, pc, costs, inflight, limit, device, micro_batch_size, seq_len, tries=3):
+    """balance_stages under `limit` per stage, checked by the full dry run (plan memory) of its layout.
+
+    The balancer's stage memory is state + in-flight activations; the dry run adds the backward's
+    transients and FSDP's gathered weights (DeepSeek-V3-671B on 16 stages: 12 GiB over the balancer's
+    73.4). While the dry run exceeds the device memory, the limit drops by the excess and the stages are
+    balanced again. Returns (balance, dry run, the limit used)."""
+    from seekforge.plan.balance import balance_stages
+    from seekforge.plan.memory import estimate_memory
+
+    for attempt in range(tries):
+        best = balance_stages(costs, pc.num_stages, pc.microbatches, limit, inflight)
+        layout = dataclasses.replace(pc, pp_split_points=best.split_points, recompute=best.layer_modes(cfg))
+        check = estimate_memory(cfg, layout, micro_batch_size * pc.microbatches, seq_len, flash_attention=True)
+        if check.peak <= device or attempt == tries - 1:
+            return best, check, limit
+        limit -= (check.peak - device) / pc.stages_per_rank
 
 
 def _search(args):

@@ -27,6 +27,14 @@ The peak is the largest of: end of forward, any point of the backward sweep (uni
 reverse order, each freeing its activations and copies and adding its gradients), the optimizer step.
 Ranks differ by pipeline stage (one row per pp rank) and, given per-rank routing, by expert-parallel
 rank (`moe_skew` per EP rank); one `moe_skew` plans every EP rank as the busiest.
+
+The other layouts (parallel/cp.py, parallel/ep.py):
+  cp         a rank holds T/cp tokens of every row (N = B·T/cp above); FSDP, when on, shards over
+             dp_shard × cp; the attention term is `cp_attention_bytes` (today's all-gathered latents);
+  etp        each etp rank computes with I/etp of its E/ep experts on the rows of all etp ranks
+             (etp × its received copies); the weights it keeps whole (`ETP_SHARDED_WEIGHTS`) are
+             sliced per forward (copies of the slices saved for backward);
+  ep_nodes   HierarchicalDispatcher's combine keeps one (K, H) slot row per arrived (token, node) row.
 """
 
 from __future__ import annotations
@@ -38,6 +46,13 @@ from seekforge.plan import schedule as sched
 from seekforge.plan.shapes import Unit, model_units
 
 GiB = 2**30
+
+# Expert-TP (parallel/ep.py's apply_ep with etp > 1): False while every etp rank keeps its E/ep experts
+# whole and slices I/etp of them each forward (intermediate_slice: copies of the slices live until the
+# backward); True once each etp rank stores only its I/etp slice of gate/up/down (then the gathered
+# weights, the autocast copies and the weight gradients' transients are 1/etp as large). Flip it with
+# the change to apply_ep; estimate_memory's `etp_sharded_weights` overrides it per call.
+ETP_SHARDED_WEIGHTS = False
 
 
 @dataclass
@@ -99,7 +114,8 @@ class MemoryPlan:
 def estimate_memory(cfg: ModelConfig, pc: ParallelConfig, micro_batch_size: int, seq_len: int,
                     dtype: str = "bf16", optimizer_bytes: int = 4, moe_skew: float | list[float] = 1.0,
                     split_points: list[int] | None = None, recompute: str | list[str] | None = None,
-                    flash_attention: bool = False, collectives_in_flight: bool = True) -> MemoryPlan:
+                    flash_attention: bool = False, collectives_in_flight: bool = True,
+                    etp_sharded_weights: bool | None = None) -> MemoryPlan:
     """Peak bytes per pipeline rank (and, given per-rank routing, per expert-parallel rank) for one step.
 
     micro_batch_size: sequences per data-parallel rank per step (divided into pc.microbatches under pp);
@@ -112,7 +128,10 @@ def estimate_memory(cfg: ModelConfig, pc: ParallelConfig, micro_batch_size: int,
     recompute: overrides pc.recompute (one mode, or one per block: main layers then MTP blocks);
     flash_attention: the CUDA path (SDPA keeps q, k, v, its output and a log-sum-exp per row) rather
     than the CPU one (MatmulAttention keeps the (T, T) probabilities); collectives_in_flight: False where
-    collectives complete at once (the traced mode's fake process group: no reduce-scatter overlaps)."""
+    collectives complete at once (the traced mode's fake process group: no reduce-scatter overlaps);
+    etp_sharded_weights: expert-TP ranks store 1/etp of each expert (None: ETP_SHARDED_WEIGHTS).
+    Under context parallelism micro_batch_size counts whole rows (the cp ranks of a data-parallel
+    rank share them) and seq_len their full length."""
     if dtype not in ("bf16", "fp32"):
         raise ValueError(f"dtype={dtype!r}: use 'bf16' (autocast) or 'fp32'")
     if optimizer_bytes not in (2, 4):
@@ -133,12 +152,16 @@ def estimate_memory(cfg: ModelConfig, pc: ParallelConfig, micro_batch_size: int,
         raise ValueError(f"moe_skew={moe_skew!r}: give one number (the busiest EP rank's received copies over the "
                          f"mean) or {pc.ep} non-negative ones, one per EP rank")
     bf16 = dtype == "bf16" or pc.mixed_precision == "bf16"
+    if seq_len % (2 * pc.cp):
+        raise ValueError(f"cp={pc.cp} splits each row into {2 * pc.cp} chunks, but seq_len={seq_len}; use a "
+                         f"multiple of {2 * pc.cp}")
+    etp_sharded = ETP_SHARDED_WEIGHTS if etp_sharded_weights is None else etp_sharded_weights
     stages = _stage_units(cfg, pc, units, split_points)
     ranks_of = _ranks_of_stages(pc)
     classes = []  # [pp rank][ep class]
     for ep_rank, skew in enumerate(skews):
         shape = UnitBytes(cfg, pc, micro_batch_size // microbatches, seq_len, 2 if bf16 else 4, skew,
-                          flash_attention, collectives_in_flight)
+                          flash_attention, collectives_in_flight, etp_sharded)
         per_stage = [[shape.unit(u, mode_of.get(u.layer_id, "none")) for u in stage] for stage in stages]
         # Pipeline stages autocast each micro-batch's forward on its own (parallel/pp.py), so every in-flight
         # micro-batch holds its own bf16 weight copies: they count with its activations.
@@ -256,11 +279,15 @@ class UnitBytes:
     """Bytes of one micro-batch's tensors for each unit kind (see the module docstring)."""
 
     def __init__(self, cfg: ModelConfig, pc: ParallelConfig, batch: int, seq_len: int, act_bytes: int,
-                 moe_skew: float, flash_attention: bool = False, collectives_in_flight: bool = True):
+                 moe_skew: float, flash_attention: bool = False, collectives_in_flight: bool = True,
+                 etp_sharded: bool = False):
         self.cfg, self.pc, self.b, self.t, self.a = cfg, pc, batch, seq_len, act_bytes
         self.flash = flash_attention
         self.in_flight = collectives_in_flight
-        self.n = batch * seq_len
+        self.n = batch * seq_len // pc.cp  # tokens on this rank: T/cp of every row
+        self.etp_sharded = etp_sharded and pc.etp > 1
+        # Of the model's routed-expert weights, the share one rank computes with, whole (before FSDP).
+        self.expert_share = 1 / (pc.ep * pc.etp) if self.etp_sharded else 1 / pc.ep
         self.autocast = act_bytes == 2
         # Autocast keeps a bf16 copy of each fp32 weight from forward to backward; FSDP's bf16
         # mixed precision computes on bf16 weights it gathers and frees again (storage resize), so
@@ -270,7 +297,9 @@ class UnitBytes:
         self.master = self.autocast and pc.world_size == 1
         self.keeps_copies = self.autocast and pc.mixed_precision == "fp32" and not self.master
         self.skew = moe_skew if pc.ep > 1 else 1.0
-        self.shard = pc.dp_shard  # FSDP shards parameters, gradients and states over dp_shard
+        # FSDP shards parameters, gradients and states over dp_shard (× cp: parallel/parallelize.py)
+        fsdp = pc.dp_replicate * pc.dp_shard > 1 or pc.mixed_precision != "fp32"
+        self.shard = pc.dp_shard * (pc.cp if fsdp else 1)
         self.gathered_dtype = 2 if pc.mixed_precision == "bf16" else 4
         self.split_backward = False  # a zero-bubble schedule's I/W split (set by _inflight_bytes)
 
@@ -283,12 +312,16 @@ class UnitBytes:
         whose reduce-scatter is still in flight (FSDP2 overlaps it with this group's backward; gloo
         copies it on a worker thread, a CUDA stream keeps it until the collective ends). Measured on
         gloo (benchmarks/plan_memory.py, the profiler's record): 0 to 3 such copies live at the peak,
-        by timing; one is counted."""
+        by timing; one is counted, two under expert-TP, whose synchronous all-to-alls over the etp ranks
+        (gather, reduce-scatter, and with sharded weights the gate/up exchange) hold the reduce-scatters
+        back in backward (measured on etp=2 × ep=2: 8–22 MiB above LiveBytes' count with whole weights,
+        4–13 MiB with sharded ones; 0–12 MiB without etp)."""
         if self.shard == 1 and self.pc.dp_replicate == 1:
             return 0.0
-        largest = max((m.unit.attn_params + m.unit.dense_params) / self.pc.tp + m.unit.expert_params / self.pc.ep
+        largest = max((m.unit.attn_params + m.unit.dense_params) / self.pc.tp + m.unit.expert_params * self.expert_share
                        for m in mems)
-        return largest * (self.gathered_dtype + 4 + (4 if self.in_flight else 0))
+        in_flight = (2 if self.pc.etp > 1 else 1) if self.in_flight else 0
+        return largest * (self.gathered_dtype + 4 + 4 * in_flight)
 
     def unit(self, u: Unit, mode: str) -> UnitMemory:
         tp = self.pc.tp
@@ -386,6 +419,8 @@ class UnitBytes:
         q_lora = 8.0 * n * cfg.q_lora_rank if cfg.q_lora_rank else 0.0
         r = cfg.kv_lora_rank
         kv = 8.0 * n * r if self.autocast else 4.0 * n * (r + cfg.qk_rope_head_dim) + 4.0 * n * r
+        if self.pc.cp > 1:  # kv_b_proj's input is the gathered latents: in cp_attention_bytes
+            kv -= (2.0 if self.autocast else 4.0) * n * r
         attention = residual + norm_out + q_lora + kv + attn
         moe = u.expert_params > 0
         if moe:
@@ -443,8 +478,10 @@ class UnitBytes:
     def _attention_core(self, nh: float) -> float:
         """MatmulAttention saves the scaled q, k, v and the probabilities; o_proj its (B, T, nh·dv) input.
         SDPA (flash) saves q and k (the cat outputs), kv_b_proj's output (v is a view of it), its own
-        output and a log-sum-exp per row and head."""
+        output and a log-sum-exp per row and head. Under context parallelism: cp_attention_bytes."""
         cfg, n, a = self.cfg, self.n, self.a
+        if self.pc.cp > 1:
+            return cp_attention_bytes(cfg, self.b, self.t, self.pc.cp, nh, a, self.flash)[0]
         if self.flash:
             kv_b_out = a * n * nh * (cfg.qk_nope_head_dim + cfg.v_head_dim)
             return a * n * nh * 2 * cfg.qk_head_dim + kv_b_out + 2 * a * n * nh * cfg.v_head_dim + 4.0 * n * nh
@@ -459,7 +496,8 @@ class UnitBytes:
         h, e, k = cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok
         s = n * k
         received = s * self.skew
-        inter = cfg.moe_intermediate_size / tp
+        rows = received * self.pc.etp  # expert-TP: the etp ranks' copies, gathered
+        inter = cfg.moe_intermediate_size / tp / self.pc.etp
         shared_inter = cfg.n_shared_experts * cfg.moe_intermediate_size / tp
         residual = 4.0 * n * h
         if self.autocast:  # the router's cast input, and x cast once for the shared experts and dispatch
@@ -470,24 +508,91 @@ class UnitBytes:
         shared = 3 * a * n * shared_inter  # gate and up (saved by _SwiGLU), the product (down_proj's input)
         dispatch = 8.0 * s * 2  # the sort order and its inverse (int64)
         outside = residual + inputs + router + shared + dispatch
-        at_experts = a * received * h + a * s * h  # expert input copies; the unsorted outputs in combine
-        inside = a * received * (2 * inter + inter)  # gate_up output (saved by _SwiGLU), the product
-        copies = 2.0 * u.expert_params / self.pc.ep if self.keeps_copies else 0.0
+        at_experts = a * rows * h + a * s * h  # expert input copies; the unsorted outputs in combine
+        inside = a * rows * (2 * inter + inter)  # gate_up output (saved by _SwiGLU), the product
+        copies = 2.0 * u.expert_params * self.expert_share if self.keeps_copies else 0.0
+        if self.pc.etp > 1 and not self.etp_sharded:
+            # intermediate_slice copies I/etp of the whole weights each forward; grouped_mm saves those
+            # copies (cast to bf16 under autocast) for backward, in fp32 too
+            copies = a * u.expert_params / (self.pc.ep * self.pc.etp)
         if self.pc.ep > 1:
-            at_experts += a * s * h  # the all-to-all's received buffer before regrouping by expert
+            # the received rows before the grouped GEMM pads them per expert (_as_run), kept beside the
+            # padded copy: the etp ranks' gathered rows under expert-TP
+            at_experts += a * s * self.pc.etp * h
+        if self.pc.ep_nodes > 1:
+            # HierarchicalDispatcher's combine weights a (K, H) slot row per arrived (token, node) row
+            # (zeros where the expert is on another node) where the flat one weights the S copies
+            at_experts += a * h * k * (self._node_rows() - n)
         return outside, at_experts, inside, copies
+
+    def _node_rows(self) -> float:
+        """(token, node) rows arriving at a rank, per N tokens of its own: N × the nodes a token reaches
+        (balanced routing: the expected distinct nodes of K experts drawn from E, at most the routing's
+        node limit, parallel/ep.py's nodes_per_token) × this rank's skew."""
+        return self.n * expected_nodes_per_token(self.cfg, self.pc.ep_nodes) * self.skew
 
     def _backward_workspace(self, u: Unit, nh: float) -> float:
         """The widest transients of a block's backward: the attention scores' two gradients, or the
         stacked experts' weight gradient in bf16 (its fp32 cast is the unit's gradient, counted by the
         sweep); whichever is larger."""
         a = self.a
-        scores = 0.0 if self.flash else 2 * a * self.b * nh * self.t * self.t
+        if self.pc.cp > 1:
+            scores = cp_attention_bytes(self.cfg, self.b, self.t, self.pc.cp, nh, a, self.flash)[1]
+        else:
+            scores = 0.0 if self.flash else 2 * a * self.b * nh * self.t * self.t
         experts = 0.0
         if u.expert_params:
             per_proj = u.expert_params / self.pc.ep * 2 / 3  # gate_up is 2 of the 3 expert matrices
-            experts = per_proj * (2.0 if self.autocast and not self.master else 0.0)
+            if self.pc.etp > 1 and not self.etp_sharded:
+                # the slice's gradient in the compute dtype and in fp32, before it is scattered into the
+                # whole weight's gradient (the unit's gradient, counted by the sweep)
+                experts = per_proj / self.pc.etp * (a + 4.0 if self.autocast else 4.0)
+            else:
+                experts = per_proj / self.pc.etp * (2.0 if self.autocast and not self.master else 0.0)
         return max(scores, experts)
+
+
+def cp_attention_bytes(cfg: ModelConfig, batch: int, seq_len: int, cp: int, nh: float, act_bytes: int,
+                       flash: bool) -> tuple[float, float]:
+    """(saved for backward, backward workspace) of one MLA's attention on one cp rank (parallel/cp.py),
+    kv_b_proj's input included; B rows of T tokens, T/cp of each on this rank, nh heads per rank.
+
+    Today's ContextParallelAttention all-gathers every rank's latents [c_kv; k_pe] (B, T, r + dr) and
+    attends this rank's T/cp queries to all T keys under a (T/cp, T) mask: kv_b_proj saves the gathered
+    latents (a slice of them: the whole (B, T, r + dr) in fp32; a bf16 copy of the (B, T, r) slice under
+    autocast), the expanded k and v cover all T keys, the probabilities are (B, nh, T/cp, T), and the
+    backward's scores gradients as large. When ring attention replaces the gather (latent blocks passed
+    round the ranks, online-softmax merging), a rank keeps its q, its own latents, its output and the
+    log-sum-exp per row and head, and a backward holds one block's k, v, scores and the block in
+    flight: rewrite this function to that, and benchmarks/plan_memory.py's cp cases check it."""
+    a, local = act_bytes, batch * seq_len // cp  # tokens on this rank
+    r, dr = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    latents = 2.0 * batch * seq_len * r if a == 2 else 4.0 * batch * seq_len * (r + dr)
+    q = a * local * nh * cfg.qk_head_dim
+    out = a * local * nh * cfg.v_head_dim  # o_proj's input
+    mask = 1.0 * local * seq_len / batch  # bool (T/cp, T), built once per step
+    if flash:  # SDPA: q and k, kv_b_proj's output (v a view of it), its output, a log-sum-exp per row
+        k = a * batch * seq_len * nh * cfg.qk_head_dim
+        kv_b_out = a * batch * seq_len * nh * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+        return latents + q + k + kv_b_out + 2 * out + 4.0 * local * nh + mask, 0.0
+    kv = a * batch * seq_len * nh * (cfg.qk_head_dim + cfg.v_head_dim)
+    probs = a * local * nh * seq_len
+    return latents + q + kv + probs + out + mask, 2 * probs
+
+
+def expected_nodes_per_token(cfg: ModelConfig, ep_nodes: int) -> float:
+    """The nodes one token's K copies reach on average under balanced routing: the expected number of
+    distinct nodes among K of E experts drawn uniformly (E/ep_nodes per node), at most the routing's
+    node limit (parallel/ep.py's nodes_per_token, which is topk_group when groups map to nodes)."""
+    from math import comb
+
+    from seekforge.parallel.ep import nodes_per_token
+
+    e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    if ep_nodes == 1 or not e:
+        return 1.0
+    missed = comb(e - e // ep_nodes, k) / comb(e, k)  # a given node holds none of the K
+    return min(ep_nodes * (1 - missed), float(nodes_per_token(cfg, ep_nodes)))
 
 
 def format_plan(plan: MemoryPlan) -> str:

@@ -1,5 +1,5 @@
-"""Parallel strategy search: for a described cluster, every dp/tp/ep/pp/micro-batch/recompute/schedule
-layout that fits the device memory, ranked by predicted tokens per second.
+"""Parallel strategy search: for a described cluster, every dp/tp/cp/ep/etp/ep_nodes/pp/micro-batch/
+recompute/schedule layout that fits the device memory, ranked by predicted tokens per second.
 
 Time model (per training step, one global batch):
   compute   the step's FLOPs on one device (config/sizes.py; recompute adds the forward it reruns) at
@@ -10,10 +10,20 @@ Time model (per training step, one global batch):
             ring cost 2(tp−1)/tp · bytes / bandwidth, not overlapped;
   EP        dispatch and combine all-to-alls of the routed copies, forward and backward,
             (ep−1)/ep · bytes / bandwidth; DualPipeV hides them behind the other micro-batch's compute
-            (DeepSeek-V3 §3.2.1), the other schedules do not;
+            (DeepSeek-V3 §3.2.1), the other schedules do not. Hierarchical (ep_nodes > 1): one row
+            per (token, destination node) crosses nodes, (G−1)/G of a token's expected nodes (at most
+            the routing's node limit) at the inter-node bandwidth, then the copies (r−1)/r within
+            the node of r = ep/G ranks at the intra-node one;
+  expert-TP an all-gather of the received copies over the etp ranks before the experts and a
+            reduce-scatter of their partial outputs after, (etp−1) × the copies each, both ways;
+  CP        each rank computes T/cp of every row (the FLOPs divide by cp); per block, an all-gather
+            of the MLA latents (r + dr per token) forward and its reduce-scatter backward, not
+            overlapped (ring attention would hide it behind the blocks' compute); the gradients
+            reduce over dp_shard × cp under FSDP, else an all-reduce over cp after backward;
   FSDP      per micro-batch, all-gathers of the bf16 weights for forward and for backward and a
             reduce-scatter of the fp32 gradients, over the dense group (dp_shard) and the experts'
-            (dp_shard / ep), overlapped with the compute: only what exceeds it counts;
+            (dp_shard / ep), overlapped with the compute: only what exceeds it counts (fp32
+            gathers where the layout keeps FSDP's fp32 policy, as cp does for now);
   PP p2p    a latency + (tokens, H) bytes per stage boundary crossing, on the simulated critical path.
 A group of ranks inside one node uses the intra-node bandwidth, one that spans nodes the inter-node one.
 """
@@ -25,7 +35,7 @@ from dataclasses import dataclass, field
 
 from seekforge.config import ModelConfig, ParallelConfig
 from seekforge.plan import schedule as sched
-from seekforge.plan.memory import estimate_memory
+from seekforge.plan.memory import estimate_memory, expected_nodes_per_token
 from seekforge.plan.shapes import model_units, recompute_flops, unit_flops
 
 SEARCHED_SCHEDULES = ("1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV")
@@ -55,14 +65,14 @@ class Plan:
 
     def parallel_arg(self) -> str:
         pc, parts = self.parallel, []
-        for key in ("dp_replicate", "dp_shard", "tp", "ep", "pp"):
+        for key in ("dp_replicate", "dp_shard", "cp", "tp", "ep", "ep_nodes", "etp", "pp"):
             if getattr(pc, key) > 1:
                 parts.append(f"{key}={getattr(pc, key)}")
         if pc.pp > 1:
             parts += [f"pp_schedule={pc.pp_schedule}", f"microbatches={pc.microbatches}"]
         if pc.recompute != "none":
             parts.append(f"recompute={pc.recompute}")
-        parts.append("mixed_precision=bf16")
+        parts.append(f"mixed_precision={pc.mixed_precision}")
         return ",".join(parts)
 
 
@@ -84,7 +94,7 @@ def search(cfg: ModelConfig, cluster: Cluster, global_batch: int, seq_len: int, 
     usable = cluster.device_memory * (1 - cluster.memory_reserve)
     plans, considered = [], 0
     smallest, smallest_layout, smallest_state = math.inf, "", 0.0
-    for pc, mbs in _layouts(cfg, cluster.devices, global_batch, micro_batch_sizes, cluster.devices_per_node):
+    for pc, mbs in _layouts(cfg, cluster.devices, global_batch, seq_len, micro_batch_sizes, cluster.devices_per_node):
         considered += 1
         dp = pc.dp_replicate * pc.dp_shard
         per_rank_batch = global_batch // dp
@@ -118,41 +128,72 @@ def why_nothing_fits(result: SearchResult, cluster: Cluster) -> str:
 
 def _describe(pc: ParallelConfig, mbs: int) -> str:
     schedule = f" {pc.pp_schedule}" if pc.pp > 1 else ""
-    return (f"dp_shard={pc.dp_shard}, tp={pc.tp}, ep={pc.ep}, pp={pc.pp}{schedule}, micro-batch {mbs}, "
-            f"recompute={pc.recompute}")
+    return (f"dp_shard={pc.dp_shard}, cp={pc.cp}, tp={pc.tp}, ep={pc.ep}, etp={pc.etp}, ep_nodes={pc.ep_nodes}, "
+            f"pp={pc.pp}{schedule}, micro-batch {mbs}, recompute={pc.recompute}")
 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _layouts(cfg: ModelConfig, devices: int, global_batch: int, micro_batch_sizes, devices_per_node: int):
-    """Every ParallelConfig the model and cluster allow: tp inside a node, FSDP over the data-parallel
-    ranks, ep dividing dp_shard; whatever else pretrain refuses (ParallelConfig's checks: tp dividing the
-    heads and widths, ep the experts, a layer per stage, enough micro-batches) is skipped."""
+def _layouts(cfg: ModelConfig, devices: int, global_batch: int, seq_len: int, micro_batch_sizes,
+             devices_per_node: int):
+    """Every ParallelConfig the model and cluster allow: tp inside a node, cp ranks sharing a data-parallel
+    rank's rows (seq_len a multiple of 2·cp), FSDP over the data-parallel ranks, ep dividing dp_shard,
+    etp splitting the experts of ep > 1 over more of them, and, where the ep ranks span nodes, the
+    hierarchical all-to-all over those nodes; whatever else pretrain refuses (ParallelConfig's checks: tp
+    dividing the heads and widths, ep the experts, etp the expert width, cp with the other dimensions or
+    bf16 FSDP for now, a layer per stage, enough micro-batches) is skipped. A layout FSDP's bf16 policy
+    is refused for (cp, for now) is tried with its fp32 policy."""
     for tp in _divisors(min(devices, devices_per_node)):
         for pp in _divisors(devices // tp):
-            dp = devices // (tp * pp)
-            if global_batch % dp:
-                continue
-            per_rank = global_batch // dp
-            eps = [e for e in _divisors(dp) if cfg.n_routed_experts and cfg.n_routed_experts % e == 0] or [1]
-            for ep in eps:
-                for mbs in micro_batch_sizes:
-                    if per_rank % mbs:
-                        continue
-                    microbatches = per_rank // mbs
-                    schedules = SEARCHED_SCHEDULES if pp > 1 else ("1F1B",)
-                    for schedule in schedules:
-                        for recompute in ("none", "selective", "full"):
-                            try:
-                                pc = ParallelConfig(dp_shard=dp, tp=tp, ep=ep, pp=pp, pp_schedule=schedule,
-                                                    microbatches=microbatches if pp > 1 else 1,
-                                                    recompute=recompute, mixed_precision="bf16")
-                                pc.validate(devices, cfg)
-                            except ValueError:
-                                continue
-                            yield pc, mbs
+            for cp in [c for c in _divisors(devices // (tp * pp)) if c <= MAX_CP and seq_len % (2 * c) == 0]:
+                dp = devices // (tp * pp * cp)
+                if global_batch % dp:
+                    continue
+                for ep, etp, ep_nodes in _expert_layouts(cfg, dp, tp, devices_per_node):
+                    for mbs in micro_batch_sizes:
+                        if (global_batch // dp) % mbs:
+                            continue
+                        microbatches = (global_batch // dp) // mbs if pp > 1 else 1
+                        for schedule in SEARCHED_SCHEDULES if pp > 1 else ("1F1B",):
+                            for recompute in ("none", "selective", "full"):
+                                pc = _checked(devices, cfg, dict(dp_shard=dp, cp=cp, tp=tp, ep=ep, etp=etp,
+                                                                 ep_nodes=ep_nodes, pp=pp, pp_schedule=schedule,
+                                                                 microbatches=microbatches, recompute=recompute))
+                                if pc is not None:
+                                    yield pc, mbs
+
+
+MAX_CP = 16  # context-parallel degrees searched (long sequences on 2·cp chunks)
+MAX_ETP = 8  # expert-TP degrees searched (Megatron's expert_tensor_parallel_size is at most a node)
+
+
+def _expert_layouts(cfg: ModelConfig, dp: int, tp: int, devices_per_node: int):
+    """(ep, etp, ep_nodes) for dp data-parallel ranks: ep dividing the experts; etp > 1 over the rest of
+    dp (with ep > 1); ep_nodes > 1 (without etp) when the ep·tp ranks span that many nodes."""
+    eps = [e for e in _divisors(dp) if cfg.n_routed_experts and cfg.n_routed_experts % e == 0] or [1]
+    for ep in eps:
+        yield ep, 1, 1
+        if ep > 1:
+            for etp in _divisors(dp // ep):
+                if 1 < etp <= MAX_ETP:
+                    yield ep, etp, 1
+        nodes = ep * tp // devices_per_node
+        if nodes > 1 and ep * tp % devices_per_node == 0 and ep % nodes == 0:
+            yield ep, 1, nodes
+
+
+def _checked(devices: int, cfg: ModelConfig, keys: dict) -> ParallelConfig | None:
+    """The layout with FSDP's bf16 policy, else its fp32 one, as ParallelConfig accepts it; None if neither."""
+    for mixed in ("bf16", "fp32"):
+        try:
+            pc = ParallelConfig(mixed_precision=mixed, **keys)
+            pc.validate(devices, cfg)
+            return pc
+        except ValueError:
+            continue
+    return None
 
 
 def _unit_step(schedule: str, pp: int, microbatches: int) -> tuple[float, float]:
@@ -168,28 +209,21 @@ def _bandwidth(cluster: Cluster, group_span: int) -> float:
 
 def _step_time(cfg: ModelConfig, pc: ParallelConfig, cluster: Cluster, mbs: int, per_rank_batch: int,
                seq_len: int) -> tuple[float, float, dict[str, float]]:
-    tokens_mb = mbs * seq_len
+    tokens_mb = mbs * seq_len  # a micro-batch's tokens, over the cp ranks of a data-parallel rank
     units = model_units(cfg)
     fwd = bwd = recompute = 0.0
     for u in units:
         f, b = unit_flops(cfg, u, tokens_mb, seq_len)
         fwd, bwd = fwd + f, bwd + b
         recompute += recompute_flops(cfg, u, tokens_mb, seq_len, pc.recompute)
-    per_device = pc.tp * pc.pp  # the micro-batch's work is spread over a tp × pp slice
+    per_device = pc.tp * pc.pp * pc.cp  # the micro-batch's work is spread over a tp × pp × cp slice
     compute_mb = (fwd + bwd + recompute) / per_device / cluster.flops  # one micro-batch, one stage-rank
-    blocks = cfg.num_hidden_layers + cfg.num_nextn_predict_layers
-    act_bytes = 2.0 * tokens_mb * cfg.hidden_size
-    tp_comm = 0.0
-    if pc.tp > 1:
-        tp_comm = 4 * blocks / pc.pp * 2 * (pc.tp - 1) / pc.tp * act_bytes / _bandwidth(cluster, pc.tp)
-    ep_comm = 0.0
-    if pc.ep > 1:
-        copies = 2.0 * tokens_mb * cfg.num_experts_per_tok * cfg.hidden_size
-        ep_comm = 4 * cfg.num_moe_layers / pc.pp * (pc.ep - 1) / pc.ep * copies / _bandwidth(cluster, pc.ep * pc.tp)
-        if pc.pp_schedule == "DualPipeV" and pc.pp > 1:
-            ep_comm = max(0.0, ep_comm - compute_mb)
-    stage_mb = compute_mb + tp_comm + ep_comm  # one micro-batch through one pp rank
+    comm = _comm_per_microbatch(cfg, pc, cluster, tokens_mb / pc.cp)
+    if pc.pp_schedule == "DualPipeV" and pc.pp > 1:
+        comm["ep"] = max(0.0, comm["ep"] - compute_mb)
+    stage_mb = compute_mb + sum(comm.values())  # one micro-batch through one pp rank
     microbatches = pc.microbatches if pc.pp > 1 else per_rank_batch // mbs
+    act_bytes = 2.0 * tokens_mb / pc.cp * cfg.hidden_size
     if pc.pp > 1:
         unit_step, bubble = _unit_step(pc.pp_schedule, pc.pp, microbatches)
         # the unit simulation runs a rank's stages at 3 units per micro-batch each
@@ -197,17 +231,59 @@ def _step_time(cfg: ModelConfig, pc: ParallelConfig, cluster: Cluster, mbs: int,
         pipeline += 2 * (pc.num_stages - 1) * (cluster.p2p_latency + act_bytes / pc.tp / cluster.inter_node_bandwidth)
     else:
         bubble, pipeline = 0.0, microbatches * stage_mb
-    # FSDP gathers each block's bf16 weights for its forward and again for its backward, and
-    # reduce-scatters its fp32 gradients, every micro-batch (reshard after forward): 2 + 2 + 4 bytes
-    # per parameter over its group, (g−1)/g of them. Experts shard over dp_shard / ep ranks only.
+    dp_comm, exposed_grads = _data_parallel_comm(pc, cluster, units, microbatches)
+    exposed_dp = max(0.0, dp_comm - pipeline) + exposed_grads  # FSDP's traffic overlaps the compute it feeds
+    step = pipeline + exposed_dp
+    times = {"compute": microbatches * compute_mb, "dp exposed": exposed_dp}
+    times.update({name: microbatches * t for name, t in comm.items()})
+    return step, bubble, times
+
+
+def _comm_per_microbatch(cfg: ModelConfig, pc: ParallelConfig, cluster: Cluster, tokens: float) -> dict[str, float]:
+    """Seconds of one micro-batch's TP, CP, EP and expert-TP exchanges on one pp rank, `tokens` the
+    micro-batch's tokens on this rank (T/cp of each row)."""
+    blocks = (cfg.num_hidden_layers + cfg.num_nextn_predict_layers) / pc.pp
+    moe_layers = cfg.num_moe_layers / pc.pp
+    act_bytes = 2.0 * tokens * cfg.hidden_size
+    out = {"tp": 0.0, "cp": 0.0, "ep": 0.0, "etp": 0.0}
+    if pc.tp > 1:
+        out["tp"] = 4 * blocks * 2 * (pc.tp - 1) / pc.tp * act_bytes / _bandwidth(cluster, pc.tp)
+    if pc.cp > 1:  # the latents [c_kv; k_pe] of the whole rows: gathered forward, reduce-scattered backward
+        latents = 2.0 * tokens * pc.cp * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+        out["cp"] = 2 * blocks * (pc.cp - 1) / pc.cp * latents / _bandwidth(cluster, pc.cp * pc.tp)
+    if pc.ep == 1:
+        return out
+    copies = 2.0 * tokens * cfg.num_experts_per_tok * cfg.hidden_size  # bf16 rows sent per exchange
+    if pc.ep_nodes > 1:
+        nodes = pc.ep_nodes
+        rows = 2.0 * tokens * expected_nodes_per_token(cfg, nodes) * cfg.hidden_size  # (token, node) rows
+        per_node = pc.ep // nodes
+        cross = (nodes - 1) / nodes * rows / cluster.inter_node_bandwidth
+        inside = (per_node - 1) / per_node * copies / _bandwidth(cluster, per_node * pc.tp)
+        out["ep"] = 4 * moe_layers * (cross + inside)
+    else:
+        out["ep"] = 4 * moe_layers * (pc.ep - 1) / pc.ep * copies / _bandwidth(cluster, pc.ep * pc.tp)
+    if pc.etp > 1:  # the etp ranks hold the same experts ep·tp ranks apart (parallel/mesh.py's etp view)
+        out["etp"] = 4 * moe_layers * (pc.etp - 1) * copies / _bandwidth(cluster, pc.etp * pc.ep * pc.tp)
+    return out
+
+
+def _data_parallel_comm(pc: ParallelConfig, cluster: Cluster, units, microbatches: int) -> tuple[float, float]:
+    """(FSDP's traffic, overlapped with the compute; the gradient all-reduce over cp without FSDP, exposed).
+
+    FSDP gathers each block's weights for its forward and again for its backward, and reduce-scatters
+    its fp32 gradients, every micro-batch (reshard after forward): (2 or 4) · 2 + 4 bytes per parameter
+    over its group, (g−1)/g of them. Dense weights shard over dp_shard (× cp), experts over dp_shard / ep."""
+    gathered = 2 if pc.mixed_precision == "bf16" else 4
     dense = sum(u.attn_params + u.dense_params for u in units) / (pc.tp * pc.pp)
     experts = sum(u.expert_params for u in units) / (pc.ep * pc.pp)
+    fsdp = pc.dp_replicate * pc.dp_shard > 1 or pc.mixed_precision != "fp32"
+    if not fsdp:  # cp's ranks all-reduce their fp32 gradients after backward (parallel/cp.py)
+        grads = dense + experts
+        return 0.0, 2 * (pc.cp - 1) / pc.cp * grads * 4 / _bandwidth(cluster, pc.cp * pc.tp)
     dp_comm = 0.0
-    for params, group in ((dense, pc.dp_shard), (experts, pc.dp_shard // pc.ep)):
+    for params, group, span in ((dense, pc.dp_shard * pc.cp, pc.dp_shard * pc.cp * pc.tp),
+                                (experts, pc.dp_shard // pc.ep, pc.dp_shard * pc.tp)):
         if group > 1:
-            span = group * pc.tp * (pc.ep if params is experts else 1)
-            dp_comm += microbatches * params * 8 * (group - 1) / group / _bandwidth(cluster, span)
-    exposed_dp = max(0.0, dp_comm - pipeline)  # overlapped with the compute it feeds
-    step = pipeline + exposed_dp
-    return step, bubble, {"compute": microbatches * compute_mb, "tp": microbatches * tp_comm,
-                          "ep": microbatches * ep_comm, "dp exposed": exposed_dp}
+            dp_comm += microbatches * params * (2 * gathered + 4) * (group - 1) / group / _bandwidth(cluster, span)
+    return dp_comm, 0.0

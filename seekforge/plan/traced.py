@@ -114,10 +114,10 @@ def _fake_process_group(pc: ParallelConfig | None, cfg: ModelConfig):
     if pc is None or pc.world_size == 1:
         yield None
         return
-    if pc.ep > 1 or pc.pp > 1 or pc.tp > 1:
+    if pc.ep > 1 or pc.pp > 1 or pc.tp > 1 or pc.cp > 1:
         raise ValueError(f"the traced mode covers data-parallel layouts (dp_shard, dp_replicate); tp={pc.tp}, "
-                         f"ep={pc.ep}, pp={pc.pp} need real collectives or DTensor losses it cannot fake: use the "
-                         "analytic estimate (seekforge plan memory without --traced)")
+                         f"ep={pc.ep}, pp={pc.pp}, cp={pc.cp} need real collectives or DTensor losses it cannot "
+                         "fake: use the analytic estimate (seekforge plan memory without --traced)")
     if dist.is_initialized():
         raise ValueError("the traced mode creates its own fake process group; run it outside a distributed job")
     from torch.testing._internal.distributed.fake_pg import FakeStore

@@ -111,10 +111,3 @@ def test_cp2_matches_single_device():
 
 def test_cp2_with_fsdp2_matches_single_device():
     check(launch(run, 4, 2, 2), run(1), "cp=2 x dp_shard=2")
-
-
-def test_plan_refuses_cp_for_now():
-    from seekforge.plan.cli import _layout
-
-    with pytest.raises(ValueError, match="plan does not model context parallelism"):
-        _layout("cp=2", model_config())

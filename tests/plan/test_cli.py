@@ -18,6 +18,16 @@ def test_plan_memory_traced(capsys):
     assert "traced (the real step on fake tensors, rank 0): peak" in capsys.readouterr().out
 
 
+def test_plan_memory_per_ep_rank_skews_and_context_parallelism(capsys):
+    main(["plan", "memory", "--preset", "small", "--parallel", "dp_shard=2,ep=2", "--seq-len", "256",
+          "--moe-skew", "1.3,0.7"])
+    out = capsys.readouterr().out
+    assert "(EP rank 0)" in out and "(EP rank 1)" in out
+    main(["plan", "memory", "--preset", "small", "--parallel", "cp=2,dp_shard=2", "--seq-len", "256",
+          "--dtype", "fp32"])
+    assert "cp=2: each rank holds 128 tokens of every sequence" in capsys.readouterr().out
+
+
 def test_plan_schedule_writes_the_timeline(capsys, tmp_path):
     main(["plan", "schedule", "--schedule", "ZBVZeroBubble", "--pp", "2", "--microbatches", "4",
           "--png", str(tmp_path / "zbv.png")])
@@ -39,6 +49,7 @@ def test_plan_balance_prints_a_parallel_argument(capsys):
           "--flops", "1e12"])
     out = capsys.readouterr().out
     assert "--parallel pp=2,pp_schedule=1F1B,microbatches=4,pp_split_points=[" in out
+    assert "headroom under 74.5 GiB" in out  # the full dry run of the balanced layout, against the device
 
 
 def test_plan_search_impossible_cluster_is_a_clean_error(capsys):
@@ -62,6 +73,11 @@ def test_plan_search_impossible_cluster_is_a_clean_error(capsys):
     (["memory", "--preset", "tiny", "--micro-batch-size", "0"], "--micro-batch-size 0: give at least 1"),
     (["memory", "--preset", "tiny", "--seq-len", "-128"], "--seq-len -128: give at least 1"),
     (["memory", "--preset", "tiny", "--moe-skew", "0.5"], "--moe-skew 0.5: give at least 1"),
+    (["memory", "--preset", "small", "--moe-skew", "1,-1"], "one value >= 0 per expert-parallel rank"),
+    (["memory", "--preset", "small", "--parallel", "dp_shard=2,ep=2", "--moe-skew", "1,1,1"],
+     "or 2 non-negative ones, one per EP rank"),
+    (["memory", "--preset", "small", "--parallel", "cp=2", "--seq-len", "250"], "use a multiple of 4"),
+    (["memory", "--preset", "small", "--parallel", "dp_shard=2,ep=2,etp=2"], "ep*etp = 2*2 = 4 does not divide"),
     (["memory", "--parallel", "tp=3"], "tp=3 does not divide num_attention_heads=128; pick tp in [1, 2, 4, 8, 16"),
     (["memory", "--parallel", "tp=5"], "tp=5 does not divide num_attention_heads=128"),
     (["memory", "--preset", "small", "--parallel", "pp=4"], "microbatches=1 < pp=4 leaves stages idle"),

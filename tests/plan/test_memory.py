@@ -9,8 +9,9 @@ import torch
 
 from seekforge.config import ParallelConfig, TrainConfig, preset
 from seekforge.model.model import build_model
+from seekforge.plan import memory
 from seekforge.plan.measure import LiveBytes, ProfilerLiveBytes, state_tensors
-from seekforge.plan.memory import estimate_memory
+from seekforge.plan.memory import cp_attention_bytes, estimate_memory, expected_nodes_per_token
 from seekforge.plan.traced import traced_peak
 from seekforge.train.trainer import Trainer, prepare_model
 
@@ -93,8 +94,9 @@ def test_traced_mode_shards_under_fsdp_and_refuses_what_it_cannot_fake():
         traced = traced_peak(cfg, 2, 64, pc=pc)  # its fake collectives end at once: none in flight
         plan = estimate_memory(cfg, pc or ParallelConfig(), 2, 64, collectives_in_flight=False)
         assert traced == pytest.approx(plan.peak, rel=TOLERANCE)
-    with pytest.raises(ValueError, match="analytic"):
-        traced_peak(cfg, 2, 64, pc=ParallelConfig(dp_shard=2, ep=2))
+    for pc in (ParallelConfig(dp_shard=2, ep=2), ParallelConfig(cp=2)):
+        with pytest.raises(ValueError, match="analytic"):
+            traced_peak(cfg, 2, 64, pc=pc)
 
 
 def test_profiler_reference_sees_what_no_operator_returns():
@@ -128,14 +130,54 @@ def test_master_weights_state_and_per_ep_rank_rows():
         estimate_memory(cfg, pc, 2, 64, moe_skew=[1.0, 1.0, 1.0])
 
 
+def test_context_parallel_divides_activations_and_shards_with_fsdp():
+    cfg = preset("small", num_hidden_layers=2)
+    one = estimate_memory(cfg, ParallelConfig(), 2, 512, "fp32").ranks[0]
+    cp2 = estimate_memory(cfg, ParallelConfig(cp=2), 2, 512, "fp32").ranks[0]
+    assert cp2.params == one.params  # cp alone replicates the weights (gradients all-reduced over cp)
+    # T/cp tokens per rank; the gathered latents and the (T/cp, T) probabilities keep it above half
+    assert 0.5 * one.activations < cp2.activations < 0.75 * one.activations
+    with_fsdp = estimate_memory(cfg, ParallelConfig(cp=2, dp_shard=2), 2, 512, "fp32").ranks[0]
+    assert with_fsdp.params == pytest.approx(one.params / 4)  # FSDP shards over dp_shard × cp
+    saved, workspace = cp_attention_bytes(cfg, 2, 512, 2, cfg.num_attention_heads, 4, False)
+    probs = 4.0 * 2 * cfg.num_attention_heads * 256 * 512
+    assert saved > probs and workspace == 2 * probs
+    with pytest.raises(ValueError, match="multiple of 4"):
+        estimate_memory(cfg, ParallelConfig(cp=2), 2, 510)
+
+
+def test_expert_tp_gathers_rows_and_slices_or_shards_weights():
+    cfg = preset("small", num_hidden_layers=2)
+    ep = estimate_memory(cfg, ParallelConfig(dp_shard=4, ep=2), 2, 256).ranks[0]
+    whole = estimate_memory(cfg, ParallelConfig(dp_shard=4, ep=2, etp=2), 2, 256, etp_sharded_weights=False).ranks[0]
+    sharded = estimate_memory(cfg, ParallelConfig(dp_shard=4, ep=2, etp=2), 2, 256, etp_sharded_weights=True).ranks[0]
+    assert ep.params == whole.params == sharded.params  # E/ep experts over dp_shard / ep ranks either way
+    assert whole.activations > ep.activations  # the etp ranks' copies gathered at the experts
+    assert sharded.copies < ep.copies and whole.copies < ep.copies  # bf16 copies of I/etp of the experts
+    assert sharded.peak < whole.peak  # FSDP gathers 1/etp of the experts
+    assert memory.ETP_SHARDED_WEIGHTS is False  # parallel/ep.py keeps them whole today: flip with it
+
+
+def test_hierarchical_ep_keeps_a_slot_row_per_token_and_node():
+    cfg = preset("small", num_hidden_layers=2)  # 16 experts top-4 in 4 groups, topk_group 2
+    assert expected_nodes_per_token(cfg, 1) == 1.0
+    assert 1 < expected_nodes_per_token(cfg, 2) <= 2  # node-limited: 2 groups, so at most 2 nodes
+    flat = estimate_memory(cfg, ParallelConfig(dp_shard=4, ep=4), 2, 256).ranks[0]
+    nodes = estimate_memory(cfg, ParallelConfig(dp_shard=4, ep=4, ep_nodes=2), 2, 256).ranks[0]
+    # (token, node) rows of K slots each: more than the K copies per token the flat combine weights
+    assert nodes.activations > flat.activations
+
+
 @pytest.mark.slow
 def test_measured_table_on_gloo_ranks():
     """benchmarks/plan_memory.py's cases (single device bf16/fp32 and every recompute mode, a config
-    without q_lora, FSDP, EP, two pipeline schedules) against the profiler's allocation record."""
+    without q_lora, FSDP, EP, two pipeline schedules, cp, cp × FSDP, etp × ep, hierarchical EP) against
+    the profiler's allocation record; gloo cases as the median of 3 runs (gloo's in-flight copies under
+    FSDP follow the machine's load)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import plan_memory
 
     for case in plan_memory.CASES:
         plan = plan_memory.predict(case)
-        for rank, measured in enumerate(plan_memory.measure(case)):
+        for rank, measured in enumerate(plan_memory.measure(case, repeats=3)):
             assert plan.rank_peak(rank) == pytest.approx(measured["profiler"], rel=TOLERANCE), (case.name, rank)

@@ -45,3 +45,40 @@ def test_v3_on_2048_gpus_under_two_minutes():
     result = search(preset("v3-671b"), Cluster(devices=2048, device_memory=80e9), global_batch=1024, seq_len=4096)
     assert time.perf_counter() - start < 120
     assert result.plans and all(p.peak_memory <= 80e9 for p in result.plans)
+
+
+def test_search_explores_cp_etp_and_hierarchical_ep_within_pretrains_rules():
+    from seekforge.plan.search import _layouts
+
+    cfg = preset("small")  # 16 experts, moe_intermediate_size 256
+    layouts = [pc for pc, _ in _layouts(cfg, 16, 32, 256, (1,), devices_per_node=4)]
+    cps = [pc for pc in layouts if pc.cp > 1]
+    assert {pc.cp for pc in cps} == {2, 4, 8, 16} and all(256 % (2 * pc.cp) == 0 for pc in cps)
+    # cp composes with FSDP only, in fp32, for now (ParallelConfig); the search keeps what pretrain runs
+    assert all(pc.tp == pc.ep == pc.pp == 1 and pc.mixed_precision == "fp32" for pc in cps)
+    etps = [pc for pc in layouts if pc.etp > 1]
+    assert etps and all(pc.ep > 1 and pc.ep_nodes == 1 and pc.dp_shard % (pc.ep * pc.etp) == 0 for pc in etps)
+    nodes = [pc for pc in layouts if pc.ep_nodes > 1]
+    assert nodes and all(pc.ep * pc.tp == 4 * pc.ep_nodes and pc.etp == 1 for pc in nodes)
+    assert not [pc for pc, _ in _layouts(cfg, 16, 32, 12, (1,), 4) if pc.cp in (4, 8)]  # 12 % 8, 12 % 16
+    assert {pc.cp for pc, _ in _layouts(cfg, 16, 32, 12, (1,), 4)} == {1, 2}
+
+
+def test_time_model_prices_cp_etp_and_the_node_boundary():
+    from seekforge.plan.search import _comm_per_microbatch, _step_time
+
+    cfg = preset("v3-671b")
+    cluster = Cluster(devices=256, device_memory=80e9, devices_per_node=8)
+    tokens = 4096.0
+    flat = _comm_per_microbatch(cfg, ParallelConfig(dp_shard=64, ep=64), cluster, tokens)
+    nodes = _comm_per_microbatch(cfg, ParallelConfig(dp_shard=64, ep=64, ep_nodes=8), cluster, tokens)
+    # node-limited routing (topk_group 4 of n_group 8, one group per node): at most 4 rows cross per
+    # token, 7/8 of them to other nodes, at 50 GB/s, then 7/8 of the 8 copies within the node at 150 GB/s;
+    # the flat exchange sends 63/64 of 8 copies at 50 GB/s: (3.5/50 + 7/150) / (7.875/50) = 0.74
+    assert nodes["ep"] == pytest.approx(flat["ep"] * (3.5 / 50 + 7 / 150) / (7.875 / 50))
+    etp = _comm_per_microbatch(cfg, ParallelConfig(dp_shard=64, ep=8, etp=2), cluster, tokens)
+    assert etp["etp"] > 0 and etp["ep"] < flat["ep"]
+    small = preset("small")
+    one, _, t1 = _step_time(small, ParallelConfig(dp_shard=2), cluster, 1, 4, 4096)
+    cp2, _, t2 = _step_time(small, ParallelConfig(dp_shard=2, cp=2), cluster, 1, 4, 4096)
+    assert t2["compute"] == pytest.approx(t1["compute"] / 2) and t2["cp"] > 0
