@@ -45,6 +45,7 @@ from seekforge.model.gpu import gpu_path
 from seekforge.model.loss import lm_loss
 from seekforge.model.moe import MoE
 from seekforge.model.precision import resolve_dtype
+from seekforge.parallel.overlap import accumulate, create_lanes, expert_groups, fsdp_unsharded
 from seekforge.parallel.parallelize import compile_blocks
 from seekforge.parallel.recompute import apply_recompute
 from seekforge.parallel.tp import loss_context
@@ -125,6 +126,10 @@ class Trainer:
         self.peak_flops = cfg.peak_flops or measure_peak_flops(self.compute_dtype, self.device)
         self._iterator = iter(loader)
         self.probe = TrainingProbe.open(cfg.probe, self.modules, self.optimizers, self.out_dir)
+        if cfg.overlap:
+            self._check_overlap()
+            if _distributed():
+                create_lanes(expert_groups(self.modules))
 
     # ------------------------------------------------------------------ state
     def resume(self, path: str | Path | None = None) -> bool:
@@ -174,7 +179,10 @@ class Trainer:
             module.train()
         sums = dict.fromkeys(self.loss_names, torch.zeros((), device=self.device))
         self.probe.begin_step(self.step + 1)
-        for _ in range(cfg.grad_accum):
+        overlapped = cfg.overlap and cfg.grad_accum > 1
+        if overlapped:
+            sums = self._accumulate_overlapped(sums)
+        for _ in range(0 if overlapped else cfg.grad_accum):
             batch = self._next_batch()
             self.probe.mark("data")
             if self.runner is not None:  # forward and backward of all pipeline micro-batches
@@ -218,6 +226,35 @@ class Trainer:
             self.read_metrics([metrics], time.perf_counter() - start)
         self.probe.end_step(self.step, metrics)
         return metrics
+
+    def _check_overlap(self) -> None:
+        if self.runner is not None:
+            raise ValueError("TrainConfig.overlap=True with pipeline parallelism (pp > 1) is not supported by the "
+                             "trainer's accumulation loop; use overlap=False")
+        if self.master_weights is not None:
+            raise ValueError("TrainConfig.overlap=True with bf16 on one process is not supported (its bf16 weight "
+                             "copies span one forward and backward); use dtype='fp32' or overlap=False")
+
+    def _accumulate_overlapped(self, sums: dict) -> dict:
+        """The grad_accum micro-batches with each forward running beside the previous micro-batch's backward
+        (cfg.overlap, parallel/overlap.py): the same gradients and loss sums as the sequential loop."""
+        cfg, parts_of = self.cfg, []
+
+        def forward(i: int) -> torch.Tensor:
+            batch = self._next_batch()
+            with self._autocast():
+                loss, parts = lm_loss(self.model, batch["input_ids"], batch["labels"], batch.get("positions"),
+                                      batch.get("segment_ids"), cfg.mtp_loss_scale)
+            parts_of.append({"loss": loss.detach(), **parts})
+            return loss / cfg.grad_accum
+
+        with loss_context(self.tp_mesh), fsdp_unsharded(self.model) as reduce:
+            accumulate(cfg.grad_accum, forward, torch.Tensor.backward, reduce, self.device)
+        self.probe.mark("backward")  # forward and backward together
+        for parts in parts_of:
+            for name, value in parts.items():
+                sums[name] = sums[name] + plain_tensor(value).float() / cfg.grad_accum
+        return sums
 
     def read_metrics(self, records: list[dict], seconds: float) -> list[dict]:
         """train_step's records of the steps that took `seconds` together, their device tensors read as floats

@@ -1,0 +1,189 @@
+"""Overlap of one micro-batch's expert all-to-all with another micro-batch's compute (issue 44, part 4).
+
+Gradient accumulation runs the forward of micro-batch i+1 on the calling thread while the backward of
+micro-batch i runs on a worker thread (1F1B's steady state for one stage): whenever one waits for an
+all-to-all, the other computes. The exchanges themselves already run on gloo's own threads (CPU) or on
+the communicator's stream (GPU): both sides only need to be free to do something else while waiting.
+
+Order and results. Backward i still finishes before backward i+1 starts, and every backward starts
+from zero unsharded gradients that are then reduced and added to the sharded ones one micro-batch at a
+time, as FSDP does; so the gradients, hence the losses and weights, are bit-identical to running the
+micro-batches one after the other (tests/dist/test_ep_overlap.py).
+
+Comm lanes. Two threads issuing collectives on one process group could issue them in different orders
+on different ranks (a deadlock, or two exchanges mixed up). So micro-batch i talks on lane i % 2: the
+expert dispatchers (parallel/ep.py) pick their process group through `lane_group` when the forward
+builds an exchange, and the exchange's backward reuses it. Lane 0 is the model's own groups, lane 1 a
+twin of each (`create_lanes`, the same ranks). Within a lane the collectives keep program order: the
+forward of i+2 starts after the backward of i has finished. Recompute (checkpoint_wrapper) reruns
+the forward inside the backward, so the worker sets its micro-batch's lane too.
+
+FSDP. Its hooks assume a module's forward and backward never interleave (its per-module state would be
+corrupted), so while overlapping `fsdp_unsharded` gathers every parameter once, takes FSDP's forward
+hooks off (nothing else of FSDP runs: its backward hooks are registered by the forward ones), and
+reduce-scatters each micro-batch's gradients with FSDP's own post-backward, between backwards, on the
+calling thread (so the data-parallel group is never used by two threads). Mixed precision (FSDP's bf16
+parameters) is not supported here: its forward-input casts are forward hooks.
+
+GPU (not yet measured): the worker's backward runs on a side stream, ordered after the forward that
+made its graph and before anything that reads its gradients.
+"""
+
+from __future__ import annotations
+
+import threading
+import types
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager, nullcontext
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+_local = threading.local()  # .lane: this thread's comm lane (0 when unset)
+_twins: dict = {}  # process group → its lane-1 twin (same ranks)
+
+
+def lane_group(group):
+    """The process group a collective meant for `group` uses on this thread's lane."""
+    if getattr(_local, "lane", 0) == 0 or group is None:
+        return group
+    twin = _twins.get(group)
+    assert twin is not None, "comm lane 1 used before create_lanes() made a twin of this group"
+    return twin
+
+
+@contextmanager
+def comm_lane(lane: int) -> Iterator[None]:
+    """Collectives built on this thread inside the block use `lane` (0 or 1)."""
+    previous = getattr(_local, "lane", 0)
+    _local.lane = lane
+    try:
+        yield
+    finally:
+        _local.lane = previous
+
+
+def create_lanes(groups) -> None:
+    """Make a lane-1 twin of each of `groups` (once per group). Collective over the world: every rank
+    calls it, each with its own groups; each rank then creates every twin any rank needs, in one
+    order (dist.new_group's rule)."""
+    mine = []
+    for group in groups:
+        if group is not None and group not in _twins and group not in mine:
+            mine.append(group)
+    ranks = [tuple(dist.get_process_group_ranks(g)) for g in mine]
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, ranks)
+    created = {r: dist.new_group(list(r)) for r in sorted({r for per_rank in everyone for r in per_rank})}
+    for group, r in zip(mine, ranks, strict=True):
+        _twins[group] = created[r]
+
+
+def expert_groups(modules: list[nn.Module]) -> list:
+    """The process groups the MoE layers' expert dispatchers of `modules` exchange over."""
+    return [g for module in modules for m in module.modules()
+            for g in getattr(getattr(m, "dispatcher", None), "comm_groups", list)()]
+
+
+def accumulate(num: int, forward: Callable[[int], torch.Tensor], backward: Callable[[torch.Tensor], None],
+               between: Callable[[], None] = lambda: None, device: torch.device | None = None) -> None:
+    """forward(i) → the tensor to differentiate, for micro-batches i < num; backward(t) accumulates its
+    gradients; `between` runs on the calling thread after each backward (FSDP's reduce-scatter).
+    Runs F0, then F(i) alongside B(i-1) for i ≥ 1, then B(num-1): the gradients of the sequential order."""
+    with comm_lane(0):
+        pending = forward(0)
+    if num > 1:
+        stream = torch.cuda.Stream(device) if device is not None and device.type == "cuda" else None
+        with ThreadPoolExecutor(1, thread_name_prefix="overlap-backward") as pool:
+            for i in range(1, num):
+                job = pool.submit(_backward_in_lane, backward, pending, (i - 1) % 2, stream)
+                try:
+                    with comm_lane(i % 2):
+                        pending = forward(i)
+                finally:
+                    job.result()  # also when the forward failed: never leave a backward running
+                if stream is not None:
+                    torch.cuda.current_stream(device).wait_stream(stream)
+                between()
+    with comm_lane((num - 1) % 2):
+        backward(pending)
+    between()
+
+
+def _backward_in_lane(backward, loss: torch.Tensor, lane: int, stream) -> None:
+    if stream is not None:  # after the forward that built this graph (the caller's stream)
+        stream.wait_stream(torch.cuda.current_stream(stream.device))
+    with comm_lane(lane), (torch.cuda.stream(stream) if stream is not None else nullcontext()):
+        backward(loss)
+
+
+@contextmanager
+def fsdp_unsharded(model: nn.Module) -> Iterator[Callable[[], None]]:
+    """Hold every FSDP parameter of `model` (its FSDP root, or a plain module: nothing to do) unsharded
+    with FSDP's forward hooks off; yields `reduce`, FSDP's post-backward for every parameter group (the
+    reduce-scatter of one micro-batch's unsharded gradients into the sharded ones). On exit FSDP's
+    end-of-backward bookkeeping runs, the parameters are resharded and the hooks are back."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule):
+        yield lambda: None
+        return
+    root = model._get_fsdp_state()
+    root._lazy_init()  # normally done by the root's first forward hook, which is about to be off
+    states = root._state_ctx.all_states
+    groups = [g for s in states for g in s._fsdp_param_groups]
+    casting = [s for s in states if s._mp_policy.param_dtype not in (None, torch.float32)]
+    if casting:
+        raise ValueError("overlap=True with FSDP mixed precision (bf16 parameters) is not supported: FSDP casts "
+                         "the forward inputs in the hooks overlap takes off; use mixed_precision='fp32' or "
+                         "overlap=False")
+    restore = _hooks_off(states)
+    reshard_after = [g.reshard_after_backward for g in groups]
+    try:
+        for g in groups:
+            g.reshard_after_backward = False  # the next micro-batch's forward is still using them
+            g.unshard()
+            g.wait_for_unshard()
+
+        def reduce() -> None:
+            for state in reversed(states):  # backward's order
+                for g in reversed(state._fsdp_param_groups):
+                    g.post_backward()
+
+        yield reduce
+        root._root_post_backward_final_callback()  # what FSDP runs at the end of a backward
+    finally:
+        for g, after in zip(groups, reshard_after, strict=True):
+            g.reshard_after_backward = after
+            g.reshard()
+        restore()
+
+
+def _hooks_off(states) -> Callable[[], None]:
+    """Take FSDP's forward hooks (and methods registered with register_fsdp_forward_method) off
+    `states`' modules; returns the function putting them back as they were, in their order."""
+    saved_dicts: dict[int, tuple[dict, list]] = {}
+    saved_methods = []
+    for state in states:
+        for handle in (state._pre_forward_hook_handle, state._post_forward_hook_handle):
+            for h in getattr(handle, "handles", (handle,)):
+                hooks = h.hooks_dict_ref()
+                if hooks is not None:
+                    saved_dicts.setdefault(id(hooks), (hooks, list(hooks.items())))
+                    hooks.pop(h.id, None)
+        for module in state._modules:
+            for name, value in list(vars(module).items()):
+                if isinstance(value, types.MethodType) and hasattr(value.__func__, "__wrapped__"):
+                    saved_methods.append((module, name, value))
+                    delattr(module, name)  # the class's own method again
+
+    def restore() -> None:
+        for hooks, items in saved_dicts.values():
+            hooks.clear()
+            hooks.update(items)
+        for module, name, value in saved_methods:
+            setattr(module, name, value)
+
+    return restore
