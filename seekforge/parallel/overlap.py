@@ -96,20 +96,111 @@ def accumulate(num: int, forward: Callable[[int], torch.Tensor], backward: Calla
         pending = forward(0)
     if num > 1:
         stream = torch.cuda.Stream(device) if device is not None and device.type == "cuda" else None
-        with ThreadPoolExecutor(1, thread_name_prefix="overlap-backward") as pool:
-            for i in range(1, num):
-                job = pool.submit(_backward_in_lane, backward, pending, (i - 1) % 2, stream)
-                try:
-                    with comm_lane(i % 2):
-                        pending = forward(i)
-                finally:
-                    job.result()  # also when the forward failed: never leave a backward running
-                if stream is not None:
-                    torch.cuda.current_stream(device).wait_stream(stream)
-                between()
+        for i in range(1, num):
+            job = _worker().submit(_backward_in_lane, backward, pending, (i - 1) % 2, stream)
+            try:
+                with comm_lane(i % 2):
+                    pending = forward(i)
+            finally:
+                job.result()  # also when the forward failed: never leave a backward running
+            if stream is not None:
+                torch.cuda.current_stream(device).wait_stream(stream)
+            between()
     with comm_lane((num - 1) % 2):
         backward(pending)
     between()
+
+
+def overlap_dualpipev(schedule, modules: list[nn.Module]) -> None:
+    """Run each OVERLAP_F_B action of a DualPipeV `schedule` (a forward of one of this rank's two stages and a
+    full backward of the other, different micro-batches) as a forward on the calling thread beside the backward
+    on the worker. `modules`: this rank's stage modules, in the schedule's stage order. Stage j talks on lane j,
+    everything included: its forwards set the lane with a hook (its backwards reuse the forward's groups) and
+    under FSDP its all-gathers and reduce-scatters move to the lane's twin groups, so the two stages never share
+    a process group. Collective over the world (create_lanes)."""
+    from torch.distributed.pipelining.schedules import OVERLAP_F_B
+
+    lanes, moved = {}, []
+    for lane, (stage, module) in enumerate(zip(schedule._stages, modules, strict=True)):
+        lanes[stage.stage_index] = lane
+        module.register_forward_pre_hook(lambda *_, lane=lane: _push_lane(lane))
+        module.register_forward_hook(lambda *_: _pop_lane(), always_call=True)
+        if lane:
+            moved += _fsdp_groups(module)
+    create_lanes(expert_groups(modules) + [getattr(info, name) for info, name in moved])
+    for info, name in moved:
+        setattr(info, name, _twins[getattr(info, name)])
+    schedule.register_custom_function(OVERLAP_F_B, lambda action, ctx: _overlap_f_b(action, ctx, lanes))
+
+
+def _fsdp_groups(module: nn.Module) -> list[tuple[object, str]]:
+    """(FSDP mesh info, attribute) of every process group the FSDP parameter groups in `module` use."""
+    from torch.distributed.fsdp import FSDPModule
+
+    infos = {id(info): info for m in module.modules() if isinstance(m, FSDPModule)
+             for g in m._get_fsdp_state()._fsdp_param_groups for info in (g.mesh_info, g.post_forward_mesh_info)
+             if info is not None}
+    names = ("shard_process_group", "reduce_scatter_process_group", "replicate_process_group")
+    return [(info, name) for info in infos.values() for name in names if getattr(info, name, None) is not None]
+
+
+def _push_lane(lane: int) -> None:
+    _local.stack = [*getattr(_local, "stack", []), getattr(_local, "lane", 0)]
+    _local.lane = lane
+
+
+def _pop_lane() -> None:
+    *_local.stack, _local.lane = _local.stack
+
+
+def _overlap_f_b(action, ctx, lanes: dict[int, int]) -> None:
+    """torch 2.13 _PipelineScheduleRuntime's FORWARD and FULL_BACKWARD actions (its _step_microbatches), the
+    two of one OVERLAP_F_B at once; the hand-offs between this rank's adjacent stages after both."""
+    from torch.distributed.pipelining.schedules import _wait_batch_p2p
+
+    sched, (fwd, bwd) = ctx.schedule_ref, action.sub_actions
+    stages = {s.stage_index: s for s in sched._stages}
+    f_stage, b_stage, f_mb, b_mb = stages[fwd.stage_index], stages[bwd.stage_index], fwd.microbatch_index, \
+        bwd.microbatch_index
+    sched._assert_unsharded(f_stage)
+    sched._assert_unsharded(b_stage)
+    if not f_stage.is_first and fwd.stage_index - 1 not in stages:
+        _wait_batch_p2p(sched.fwd_recv_ops.pop((fwd.stage_index, f_mb)))
+    if not b_stage.is_last and bwd.stage_index + 1 not in stages:
+        _wait_batch_p2p(sched.bwd_recv_ops.pop((bwd.stage_index, b_mb)))
+    sched.backward_counter[bwd.stage_index] += 1
+    last = sched.backward_counter[bwd.stage_index] == sched._n_microbatches
+
+    def backward() -> None:
+        with comm_lane(lanes[bwd.stage_index]):
+            loss = sched._maybe_get_loss(b_stage, b_mb)
+            b_stage.backward_one_chunk(b_mb, loss=loss, full_backward=True, last_backward=last)
+
+    def forward() -> torch.Tensor:
+        output = f_stage.forward_one_chunk(f_mb, ctx.arg_mbs[f_mb], ctx.kwarg_mbs[f_mb], save_forward_output=True)
+        sched._maybe_compute_loss(f_stage, output, ctx.target_mbs, f_mb)
+        return output
+
+    job = _worker().submit(backward)
+    try:
+        output = forward()
+    finally:
+        job.result()
+    if fwd.stage_index + 1 in stages:  # see torch's [Note: V-schedule special case]
+        stages[fwd.stage_index + 1].set_local_fwd_input(output, f_mb)
+    if bwd.stage_index - 1 in stages:
+        stages[bwd.stage_index - 1].set_local_bwd_input(b_stage.get_local_bwd_output(b_mb), b_mb)
+
+
+def _worker() -> ThreadPoolExecutor:
+    """The one thread backwards run on beside a forward (made on first use, kept for the process)."""
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(1, thread_name_prefix="overlap-backward")
+    return _pool
+
+
+_pool: ThreadPoolExecutor | None = None
 
 
 def _backward_in_lane(backward, loss: torch.Tensor, lane: int, stream) -> None:

@@ -179,7 +179,7 @@ class Trainer:
             module.train()
         sums = dict.fromkeys(self.loss_names, torch.zeros((), device=self.device))
         self.probe.begin_step(self.step + 1)
-        overlapped = cfg.overlap and cfg.grad_accum > 1
+        overlapped = cfg.overlap and cfg.grad_accum > 1 and self.runner is None
         if overlapped:
             sums = self._accumulate_overlapped(sums)
         for _ in range(0 if overlapped else cfg.grad_accum):
@@ -228,9 +228,9 @@ class Trainer:
         return metrics
 
     def _check_overlap(self) -> None:
-        if self.runner is not None:
-            raise ValueError("TrainConfig.overlap=True with pipeline parallelism (pp > 1) is not supported by the "
-                             "trainer's accumulation loop; use overlap=False")
+        if self.runner is not None:  # pipeline micro-batches overlap inside the schedule, not across grad_accum
+            self.runner.overlap_f_b()
+            return
         if self.master_weights is not None:
             raise ValueError("TrainConfig.overlap=True with bf16 on one process is not supported (its bf16 weight "
                              "copies span one forward and backward); use dtype='fp32' or overlap=False")
