@@ -25,8 +25,15 @@ reduce-scatters each micro-batch's gradients with FSDP's own post-backward, betw
 calling thread (so the data-parallel group is never used by two threads). Mixed precision (FSDP's bf16
 parameters) is not supported here: its forward-input casts are forward hooks.
 
-GPU (not yet measured): the worker's backward runs on a side stream, ordered after the forward that
-made its graph and before anything that reads its gradients.
+Pipelines (DualPipeV, `overlap_dualpipev`): the schedule's OVERLAP_F_B actions already pair a forward of
+one of the rank's two stages with a full backward of the other; the pair runs the same way, each stage on
+its own lane for everything it sends (its expert exchanges and, under FSDP, its all-gathers and
+reduce-scatters, moved to the lane's twin groups). Each stage is its own FSDP root, so FSDP's per-module
+state is never touched by both threads.
+
+GPU (not measured: no GPU here): the worker's backward runs on a side stream, ordered after the forward
+that made its graph and before anything that reads its gradients; the autograd engine runs GPU backwards
+on its device threads, which do not see a thread's lane, so recompute there would use lane 0.
 """
 
 from __future__ import annotations
