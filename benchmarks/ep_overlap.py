@@ -10,7 +10,7 @@ is faster): on shared cores the neighbours' load swings several-fold within a mi
 sequential step the forward spends waiting on its exchanges (the dispatchers' wait_seconds) says how much
 there is to hide.
 
-    PYTHONPATH=. python benchmarks/ep_overlap.py [--threads 1] [--reps 8] [--grad-accum 4] [--tokens 512]
+    PYTHONPATH=. python benchmarks/ep_overlap.py [--threads 1] [--reps 8] [--grad-accum 4] [--batch 2] [--seq 64]
 """
 
 from __future__ import annotations
@@ -79,16 +79,19 @@ def build_trainer(cfg, args, overlap: bool, out_dir: str):
     return Trainer(tc, model, Batches(cfg, args, dist.get_rank()), mesh=mesh)
 
 
-def timed_step(trainer) -> tuple[float, dict, float]:
-    """→ (the slowest rank's seconds, the step's metrics, this rank's forward exchange-wait seconds)."""
+def timed_step(trainer) -> tuple[float, float, dict, float]:
+    """→ (the slowest rank's seconds, CPU seconds of both ranks' processes (every thread, gloo's too), the
+    step's metrics, this rank's forward exchange-wait seconds)."""
     for moe in trainer.moe_layers:
         moe.dispatcher.wait_seconds = 0.0
     dist.barrier()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     metrics = trainer.train_step()
     seconds = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
+    cpu_seconds = torch.tensor(time.process_time() - cpu, dtype=torch.float64)
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
-    return seconds.item(), metrics, sum(m.dispatcher.wait_seconds for m in trainer.moe_layers)
+    dist.all_reduce(cpu_seconds)
+    return seconds.item(), cpu_seconds.item(), metrics, sum(m.dispatcher.wait_seconds for m in trainer.moe_layers)
 
 
 def run_rank(rank: int, tmp: str, args) -> None:
@@ -98,14 +101,16 @@ def run_rank(rank: int, tmp: str, args) -> None:
     cfg = model_config(args)
     trainers = {name: build_trainer(cfg, args, name == "overlap", tmp) for name in ("sequential", "overlap")}
     times: dict[str, list[float]] = {name: [] for name in trainers}
+    cpu: dict[str, list[float]] = {name: [] for name in trainers}
     waits, identical = [], True
     for rep in range(args.warmup + args.reps):
         order = list(trainers) if rep % 2 == 0 else list(reversed(trainers))
         metrics = {}
         for name in order:
-            seconds, metrics[name], wait = timed_step(trainers[name])
+            seconds, cpu_seconds, metrics[name], wait = timed_step(trainers[name])
             if rep >= args.warmup:
                 times[name].append(seconds)
+                cpu[name].append(cpu_seconds)
                 if name == "sequential":
                     waits.append(wait / seconds)
         identical &= all(metrics["sequential"][k] == metrics["overlap"][k] for k in ("loss", "grad_norm"))
@@ -113,7 +118,8 @@ def run_rank(rank: int, tmp: str, args) -> None:
         seq, ovl = median(times["sequential"]), median(times["overlap"])
         for name, t in (("sequential", seq), ("overlap", ovl)):
             reps = ", ".join(f"{1e3 * x:.0f}" for x in times[name])
-            print(f"{name + ':':<11} {1e3 * t:.1f} ms/step (per rep: {reps})")
+            print(f"{name + ':':<11} {1e3 * t:.1f} ms/step, {1e3 * median(cpu[name]):.0f} CPU ms/step over both ranks "
+                  f"(per rep: {reps})")
         paired = [s / o for s, o in zip(times["sequential"], times["overlap"], strict=True)]
         print(f"sequential step's forward exchange waits (rank 0): {100 * median(waits):.0f}% of the step")
         print(f"ratio sequential / overlap: {median(paired):.2f}x (median of the {len(paired)} per-repetition ratios, "
@@ -130,8 +136,8 @@ def main() -> None:
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=4, help="sequences per rank per micro-batch")
-    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=2, help="sequences per rank per micro-batch")
+    parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--grad-accum", type=int, default=4)
     parser.add_argument("--reps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
