@@ -127,7 +127,7 @@ class Trainer:
         self._iterator = iter(loader)
         self.probe = TrainingProbe.open(cfg.probe, self.modules, self.optimizers, self.out_dir)
         if cfg.overlap:
-            self._check_overlap()
+            self._check_overlap(mesh)
             if _distributed():
                 create_lanes(expert_groups(self.modules))
 
@@ -227,7 +227,15 @@ class Trainer:
         self.probe.end_step(self.step, metrics)
         return metrics
 
-    def _check_overlap(self) -> None:
+    def _check_overlap(self, mesh) -> None:
+        for name in ("tp", "cp"):  # their collectives inside the layers would come from both threads on one group
+            try:
+                size = mesh[name].size() if mesh is not None else 1
+            except KeyError:
+                size = 1
+            if size > 1:
+                raise ValueError(f"TrainConfig.overlap=True with {name}={size} is not supported (only the expert "
+                                 f"exchanges get a lane per micro-batch); use {name}=1 or overlap=False")
         if self.runner is not None:  # pipeline micro-batches overlap inside the schedule, not across grad_accum
             self.runner.overlap_f_b()
             return
