@@ -31,9 +31,11 @@ its own lane for everything it sends (its expert exchanges and, under FSDP, its 
 reduce-scatters, moved to the lane's twin groups). Each stage is its own FSDP root, so FSDP's per-module
 state is never touched by both threads.
 
-GPU (not measured: no GPU here): the worker's backward runs on a side stream, ordered after the forward
-that made its graph and before anything that reads its gradients; the autograd engine runs GPU backwards
-on its device threads, which do not see a thread's lane, so recompute there would use lane 0.
+GPU (not measured: no GPU here). Both threads queue their kernels on the device's current stream, which
+is correct (the caching allocator's reuse stays ordered) but overlaps only the host's work and the waits,
+not kernels; a side stream for the backward would need its saved tensors' frees ordered after its kernels
+(record_stream), not done yet. The autograd engine runs GPU backwards on its device threads, which do not
+see a thread's lane, so recompute there would use lane 0: with recompute, overlap is CPU-only for now.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ import threading
 import types
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -95,24 +97,20 @@ def expert_groups(modules: list[nn.Module]) -> list:
 
 
 def accumulate(num: int, forward: Callable[[int], torch.Tensor], backward: Callable[[torch.Tensor], None],
-               between: Callable[[], None] = lambda: None, device: torch.device | None = None) -> None:
+               between: Callable[[], None] = lambda: None) -> None:
     """forward(i) → the tensor to differentiate, for micro-batches i < num; backward(t) accumulates its
     gradients; `between` runs on the calling thread after each backward (FSDP's reduce-scatter).
     Runs F0, then F(i) alongside B(i-1) for i ≥ 1, then B(num-1): the gradients of the sequential order."""
     with comm_lane(0):
         pending = forward(0)
-    if num > 1:
-        stream = torch.cuda.Stream(device) if device is not None and device.type == "cuda" else None
-        for i in range(1, num):
-            job = _worker().submit(_backward_in_lane, backward, pending, (i - 1) % 2, stream)
-            try:
-                with comm_lane(i % 2):
-                    pending = forward(i)
-            finally:
-                job.result()  # also when the forward failed: never leave a backward running
-            if stream is not None:
-                torch.cuda.current_stream(device).wait_stream(stream)
-            between()
+    for i in range(1, num):
+        job = _worker().submit(_backward_in_lane, backward, pending, (i - 1) % 2)
+        try:
+            with comm_lane(i % 2):
+                pending = forward(i)
+        finally:
+            job.result()  # also when the forward failed: never leave a backward running
+        between()
     with comm_lane((num - 1) % 2):
         backward(pending)
     between()
@@ -210,10 +208,8 @@ def _worker() -> ThreadPoolExecutor:
 _pool: ThreadPoolExecutor | None = None
 
 
-def _backward_in_lane(backward, loss: torch.Tensor, lane: int, stream) -> None:
-    if stream is not None:  # after the forward that built this graph (the caller's stream)
-        stream.wait_stream(torch.cuda.current_stream(stream.device))
-    with comm_lane(lane), (torch.cuda.stream(stream) if stream is not None else nullcontext()):
+def _backward_in_lane(backward, loss: torch.Tensor, lane: int) -> None:
+    with comm_lane(lane):
         backward(loss)
 
 

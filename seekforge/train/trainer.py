@@ -257,7 +257,7 @@ class Trainer:
             return loss / cfg.grad_accum
 
         with loss_context(self.tp_mesh), fsdp_unsharded(self.model) as reduce:
-            accumulate(cfg.grad_accum, forward, torch.Tensor.backward, reduce, self.device)
+            accumulate(cfg.grad_accum, forward, torch.Tensor.backward, reduce)
         self.probe.mark("backward")  # forward and backward together
         for parts in parts_of:
             for name, value in parts.items():
