@@ -228,11 +228,7 @@ def fsdp_unsharded(model: nn.Module) -> Iterator[Callable[[], None]]:
     root._lazy_init()  # normally done by the root's first forward hook, which is about to be off
     states = root._state_ctx.all_states
     groups = [g for s in states for g in s._fsdp_param_groups]
-    casting = [s for s in states if s._mp_policy.param_dtype not in (None, torch.float32)]
-    if casting:
-        raise ValueError("overlap=True with FSDP mixed precision (bf16 parameters) is not supported: FSDP casts "
-                         "the forward inputs in the hooks overlap takes off; use mixed_precision='fp32' or "
-                         "overlap=False")
+    check_fsdp(model)
     restore = _hooks_off(states)
     reshard_after = [g.reshard_after_backward for g in groups]
     try:
@@ -253,6 +249,17 @@ def fsdp_unsharded(model: nn.Module) -> Iterator[Callable[[], None]]:
             g.reshard_after_backward = after
             g.reshard()
         restore()
+
+
+def check_fsdp(model: nn.Module) -> None:
+    """Refuse FSDP mixed precision (bf16 parameters): FSDP casts the forward inputs in the hooks
+    `fsdp_unsharded` takes off."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if any(isinstance(m, FSDPModule) and m._get_fsdp_state()._mp_policy.param_dtype not in (None, torch.float32)
+           for m in model.modules()):
+        raise ValueError("overlap=True with FSDP mixed precision (bf16 parameters) is not supported: FSDP casts the "
+                         "forward inputs in hooks overlap must take off; use mixed_precision='fp32' or overlap=False")
 
 
 def _hooks_off(states) -> Callable[[], None]:
