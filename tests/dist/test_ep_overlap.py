@@ -1,6 +1,7 @@
 """TrainConfig.overlap (parallel/overlap.py): gradient accumulation with each micro-batch's forward running
 beside the previous one's backward gives bit-identical losses, grad norms and weights to the sequential loop,
-under ep=2 (FSDP over dp_shard=2) on 2 gloo ranks, with and without full recompute; and DualPipeV with its
+under ep=2 (FSDP over dp_shard=2) on 2 gloo ranks, with and without full recompute, and with the hierarchical
+(ep=4, ep_nodes=2) and expert-TP (etp=2 × ep=2) dispatchers on 4; and DualPipeV with its
 overlapped forward/backward pairs run at once gives bit-identical losses and weights, on pp=2 and pp=2 × ep=2."""
 
 import pytest
@@ -19,15 +20,16 @@ from seekforge.train.trainer import Trainer
 WORLD, STEPS, GRAD_ACCUM = 2, 3, 3
 
 
-def train(overlap: bool, recompute: str, out_dir: str) -> dict:
+def train(overlap: bool, recompute: str, out_dir: str, layout: dict | None = None) -> dict:
     """STEPS optimizer steps of GRAD_ACCUM micro-batches through Trainer.train_step → losses, grad norms, weights."""
     cfg = model_config()
-    pc = ParallelConfig(dp_shard=WORLD, ep=WORLD, recompute=recompute)
+    pc = ParallelConfig(**(layout or dict(dp_shard=WORLD, ep=WORLD)), recompute=recompute)
     mesh = build_mesh(pc, cfg)
     model = parallelize(build_model(cfg, seed=0), pc, mesh)
-    inputs, labels = batches(cfg, STEPS * GRAD_ACCUM)
+    world = dist.get_world_size()
+    inputs, labels = batches(cfg, STEPS * GRAD_ACCUM, batch=world)
     rank = dist.get_rank()
-    rows = slice(rank * BATCH // WORLD, (rank + 1) * BATCH // WORLD)
+    rows = slice(rank, rank + 1)
     loader = [{"input_ids": inputs[i, rows], "labels": labels[i, rows]} for i in range(STEPS * GRAD_ACCUM)]
     tc = TrainConfig(preset="tiny", dtype="fp32", seq_len=SEQ, micro_batch_size=BATCH, grad_accum=GRAD_ACCUM,
                      steps=STEPS, warmup=1, lr=1e-3, peak_flops=1e12, overlap=overlap, out_dir=out_dir)
@@ -38,23 +40,34 @@ def train(overlap: bool, recompute: str, out_dir: str) -> dict:
                 weights=weights)
 
 
-def run_rank(recompute: str, out_dir: str) -> dict:
+def run_rank(recompute: str, out_dir: str, layout: dict | None = None) -> dict:
     from seekforge.parallel import overlap
 
-    sequential = train(False, recompute, out_dir)
-    return dict(sequential=sequential, overlapped=train(True, recompute, out_dir), lanes=len(overlap._twins))
+    sequential = train(False, recompute, out_dir, layout)
+    return dict(sequential=sequential, overlapped=train(True, recompute, out_dir, layout), lanes=len(overlap._twins))
 
 
 @pytest.mark.parametrize("recompute", ["none", "full"])
 def test_overlap_matches_sequential_accumulation(tmp_path, recompute):
-    for r in launch(run_rank, WORLD, recompute, str(tmp_path)):
+    check_identical(launch(run_rank, WORLD, recompute, str(tmp_path)), lanes=1)
+
+
+@pytest.mark.parametrize("layout,lanes", [(dict(dp_shard=4, ep=4, ep_nodes=2), 2), (dict(dp_shard=4, ep=2, etp=2), 2)],
+                         ids=["ep4_nodes2", "etp2xep2"])
+def test_overlap_with_hierarchical_and_expert_tp_dispatch(tmp_path, layout, lanes):
+    """The hierarchical dispatcher's rail and node groups, and expert-TP's etp group, get their lanes too."""
+    check_identical(launch(run_rank, 4, "none", str(tmp_path), layout), lanes)
+
+
+def check_identical(results, lanes: int) -> None:
+    for r in results:
         seq, ovl = r["sequential"], r["overlapped"]
         assert ovl["losses"] == seq["losses"], (ovl["losses"], seq["losses"])
         assert ovl["grad_norms"] == seq["grad_norms"], (ovl["grad_norms"], seq["grad_norms"])
         assert set(ovl["weights"]) == set(seq["weights"])
         for k, v in seq["weights"].items():
             torch.testing.assert_close(ovl["weights"][k], v, rtol=0, atol=0, msg=k)
-        assert r["lanes"] == 1  # the ep group got its lane-1 twin: two micro-batches exchanged at once
+        assert r["lanes"] == lanes  # each expert group got its lane-1 twin: two micro-batches exchanged at once
 
 
 def pipeline(overlap: bool, layout: dict) -> dict:
