@@ -22,8 +22,10 @@ FSDP. Its hooks assume a module's forward and backward never interleave (its per
 corrupted), so while overlapping `fsdp_unsharded` gathers every parameter once, takes FSDP's forward
 hooks off (nothing else of FSDP runs: its backward hooks are registered by the forward ones), and
 reduce-scatters each micro-batch's gradients with FSDP's own post-backward, between backwards, on the
-calling thread (so the data-parallel group is never used by two threads). Mixed precision (FSDP's bf16
-parameters) is not supported here: its forward-input casts are forward hooks.
+calling thread while the worker is idle: the data-parallel group is never used by two threads (with
+dp_shard = ep it is the very group object of the expert exchanges: DeviceMesh shares groups of the same
+ranks). So that reduce-scatter is not hidden. Mixed precision (FSDP's bf16 parameters) is not supported
+here: its forward-input casts are forward hooks.
 
 Pipelines (DualPipeV, `overlap_dualpipev`): the schedule's OVERLAP_F_B actions already pair a forward of
 one of the rank's two stages with a full backward of the other; the pair runs the same way, each stage on
