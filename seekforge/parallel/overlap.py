@@ -37,7 +37,8 @@ GPU (not measured: no GPU here). Both threads queue their kernels on the device'
 is correct (the caching allocator's reuse stays ordered) but overlaps only the host's work and the waits,
 not kernels; a side stream for the backward would need its saved tensors' frees ordered after its kernels
 (record_stream), not done yet. The autograd engine runs GPU backwards on its device threads, which do not
-see a thread's lane, so recompute there would use lane 0: with recompute, overlap is CPU-only for now.
+see a thread's lane, so recompute there would use lane 0: with recompute, overlap is CPU-only for now
+(`check_supported`).
 """
 
 from __future__ import annotations
@@ -220,7 +221,8 @@ def fsdp_unsharded(model: nn.Module) -> Iterator[Callable[[], None]]:
     """Hold every FSDP parameter of `model` (its FSDP root, or a plain module: nothing to do) unsharded
     with FSDP's forward hooks off; yields `reduce`, FSDP's post-backward for every parameter group (the
     reduce-scatter of one micro-batch's unsharded gradients into the sharded ones). On exit FSDP's
-    end-of-backward bookkeeping runs, the parameters are resharded and the hooks are back."""
+    end-of-backward bookkeeping runs, the parameters are resharded and the hooks are back. FSDP mixed precision
+    is not supported (`check_supported` refuses it)."""
     from torch.distributed.fsdp import FSDPModule
 
     if not isinstance(model, FSDPModule):
@@ -230,7 +232,6 @@ def fsdp_unsharded(model: nn.Module) -> Iterator[Callable[[], None]]:
     root._lazy_init()  # normally done by the root's first forward hook, which is about to be off
     states = root._state_ctx.all_states
     groups = [g for s in states for g in s._fsdp_param_groups]
-    check_fsdp(model)
     restore = _hooks_off(states)
     reshard_after = [g.reshard_after_backward for g in groups]
     try:
@@ -253,13 +254,18 @@ def fsdp_unsharded(model: nn.Module) -> Iterator[Callable[[], None]]:
         restore()
 
 
-def check_fsdp(model: nn.Module) -> None:
-    """Refuse FSDP mixed precision (bf16 parameters): FSDP casts the forward inputs in the hooks
-    `fsdp_unsharded` takes off."""
+def check_supported(modules: list[nn.Module], device: torch.device, pipelined: bool) -> None:
+    """Refuse what overlap cannot run: recompute on a GPU (see the module's GPU note) and, outside a pipeline,
+    FSDP mixed precision (bf16 parameters: FSDP casts the forward inputs in the hooks `fsdp_unsharded` takes off)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
     from torch.distributed.fsdp import FSDPModule
 
-    if any(isinstance(m, FSDPModule) and m._get_fsdp_state()._mp_policy.param_dtype not in (None, torch.float32)
-           for m in model.modules()):
+    every = [m for module in modules for m in module.modules()]
+    if device.type != "cpu" and any(isinstance(m, CheckpointWrapper) for m in every):
+        raise ValueError("overlap=True with recompute on a GPU is not supported yet (the recomputed forward would "
+                         "not see its micro-batch's comm lane); use recompute='none' or overlap=False")
+    if not pipelined and any(isinstance(m, FSDPModule) and m._get_fsdp_state()._mp_policy.param_dtype
+                             not in (None, torch.float32) for m in every):
         raise ValueError("overlap=True with FSDP mixed precision (bf16 parameters) is not supported: FSDP casts the "
                          "forward inputs in hooks overlap must take off; use mixed_precision='fp32' or overlap=False")
 

@@ -45,7 +45,7 @@ from seekforge.model.gpu import gpu_path
 from seekforge.model.loss import lm_loss
 from seekforge.model.moe import MoE
 from seekforge.model.precision import resolve_dtype
-from seekforge.parallel.overlap import accumulate, check_fsdp, create_lanes, expert_groups, fsdp_unsharded
+from seekforge.parallel.overlap import accumulate, check_supported, create_lanes, expert_groups, fsdp_unsharded
 from seekforge.parallel.parallelize import compile_blocks
 from seekforge.parallel.recompute import apply_recompute
 from seekforge.parallel.tp import loss_context
@@ -236,10 +236,10 @@ class Trainer:
             if size > 1:
                 raise ValueError(f"TrainConfig.overlap=True with {name}={size} is not supported (only the expert "
                                  f"exchanges get a lane per micro-batch); use {name}=1 or overlap=False")
+        check_supported(self.modules, self.device, pipelined=self.runner is not None)
         if self.runner is not None:  # pipeline micro-batches overlap inside the schedule, not across grad_accum
             self.runner.overlap_f_b()
             return
-        check_fsdp(self.model)
         if self.master_weights is not None:
             raise ValueError("TrainConfig.overlap=True with bf16 on one process is not supported (its bf16 weight "
                              "copies span one forward and backward); use dtype='fp32' or overlap=False")
