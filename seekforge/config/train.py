@@ -73,6 +73,11 @@ class TrainConfig:
     bias_update_speed: float = 1e-2
     recompute: str = "none"  # "none" | "full" | "selective"
     compile: bool = False  # torch.compile each block
+    # Gradient accumulation (grad_accum >= 2) with each micro-batch's forward running beside the previous one's
+    # backward, so one's expert all-to-all waits are spent on the other's compute (parallel/overlap.py); the
+    # same gradients as without. Under pp: DualPipeV's overlapped forward/backward pairs, run at once.
+    # Not with tp or cp > 1, FSDP bf16 parameters, or bf16 on one process.
+    overlap: bool = False
     # ParallelConfig keys for a torchrun job, e.g. {"dp_shard": 2, "tp": 2}; {} on one process
     # (`--parallel dp_shard=2,tp=2` on the command line, a `parallel:` table in a config file).
     parallel: dict[str, Any] = field(default_factory=dict)

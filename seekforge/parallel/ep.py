@@ -20,6 +20,10 @@ gradients are in flight. tests/dist/test_ep_dropless.py checks this ordering.
 With the ep ranks grouped into nodes (ParallelConfig.ep_nodes > 1), HierarchicalDispatcher sends a
 token across the node boundary once per destination node, then within the node, as DeepEP's internode
 path does (tests/dist/test_ep_hierarchical.py counts the bytes that cross, against this flat exchange's).
+
+Every dispatcher takes the process group of an exchange from `lane_group` when its forward builds it
+(the exchange's backward reuses it): parallel/overlap.py runs two micro-batches at once, each on its
+own lane of groups.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from seekforge.model.moe import MoE, weighted_sum
+from seekforge.parallel.overlap import lane_group
 
 
 class _InFlight:
@@ -108,6 +113,10 @@ class AllToAllDispatcher:
         self.ranks_per_node = ranks_per_node or self.ep
         self.cross_node_bytes = 0
 
+    def comm_groups(self) -> list:
+        """The process groups it exchanges over (parallel/overlap.py makes a twin of each)."""
+        return [self.group]
+
     def dispatch(self, x: torch.Tensor, indices: torch.Tensor, num_experts: int):
         """x (N, H), indices (N, K) → in-flight received copies (R, H), tokens per local expert (L,),
         state for wait/combine."""
@@ -116,11 +125,11 @@ class AllToAllDispatcher:
         order = flat.argsort(stable=True)  # by expert id, hence by owner rank (owner = id // L)
         num_tokens_per_expert = torch.bincount(flat, minlength=num_experts)  # (E,)
         recv_counts = torch.empty_like(num_tokens_per_expert)
-        dist.all_to_all_single(recv_counts, num_tokens_per_expert, group=self.group)
+        dist.all_to_all_single(recv_counts, num_tokens_per_expert, group=lane_group(self.group))
         recv_counts = recv_counts.view(ep, num_local)  # [source rank, local expert]
         input_splits = num_tokens_per_expert.view(ep, num_local).sum(1).tolist()
         output_splits = recv_counts.sum(1).tolist()
-        flight = _InFlight(self.group, input_splits, output_splits)
+        flight = _InFlight(lane_group(self.group), input_splits, output_splits)
         self._count(input_splits, x)
         received = _Start.apply(x[order // indices.shape[1]], flight)  # (R, H), filling asynchronously
         # Received rows come grouped by (source rank, local expert); the grouped GEMM wants expert-major.
@@ -147,7 +156,7 @@ class AllToAllDispatcher:
         """y (R, H) expert-major, weights (N, K) → (N, H)."""
         order, flight, expert_major = state
         y = torch.empty_like(y).index_copy(0, expert_major, y)  # back to (source rank, expert) order
-        back = _InFlight(self.group, flight.output_splits, flight.input_splits)
+        back = _InFlight(flight.group, flight.output_splits, flight.input_splits)  # dispatch's lane
         self._count(flight.output_splits, y)
         start = time.perf_counter()
         y = all_to_all(y, back)  # (S, H) in this rank's sorted order
@@ -191,6 +200,9 @@ class HierarchicalDispatcher:
         # cross_node_meta_bytes the expert ids and router weights that travel with them.
         self.sent_bytes, self.wait_seconds, self.cross_node_bytes, self.cross_node_meta_bytes = 0, 0.0, 0, 0
 
+    def comm_groups(self) -> list:
+        return [self.rail_group, self.node_group]
+
     def dispatch(self, x: torch.Tensor, indices: torch.Tensor, num_experts: int):
         """x (N, H), indices (N, K) → rows crossing the rails (in flight), tokens per local expert (L,), state."""
         n, k = indices.shape
@@ -199,12 +211,12 @@ class HierarchicalDispatcher:
         dest, token = hit.t().nonzero(as_tuple=True)  # (A,) each: (node, token) pairs, node-major
         send = hit.sum(0)  # (G,)
         recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=self.rail_group)
-        rail = _InFlight(self.rail_group, send.tolist(), recv.tolist())
+        dist.all_to_all_single(recv, send, group=lane_group(self.rail_group))
+        rail = _InFlight(lane_group(self.rail_group), send.tolist(), recv.tolist())
         on_dest = node_of[token] == dest[:, None]  # (A, K): which of the token's experts the row serves
         ids = torch.where(on_dest, indices[token], -1)
         arrived_ids = ids.new_empty(sum(rail.output_splits), k)  # (B, K)
-        dist.all_to_all_single(arrived_ids, ids, rail.output_splits, rail.input_splits, group=self.rail_group)
+        dist.all_to_all_single(arrived_ids, ids, rail.output_splits, rail.input_splits, group=rail.group)
         self._count(rail.input_splits, self.node, x, cross=True)
         self.cross_node_meta_bytes += (sum(rail.input_splits) - rail.input_splits[self.node]) * k * ids.element_size()
         arriving = _Start.apply(x[token], rail)  # (B, H), crossing nodes while the shared experts run
@@ -221,9 +233,9 @@ class HierarchicalDispatcher:
         order = key.argsort(stable=True)[: int(valid.sum())]  # copy positions grouped by expert
         counts = torch.bincount(key[order], minlength=span)  # (L·r,)
         recv_counts = torch.empty_like(counts)
-        dist.all_to_all_single(recv_counts, counts, group=self.node_group)
+        dist.all_to_all_single(recv_counts, counts, group=lane_group(self.node_group))
         recv_counts = recv_counts.view(per_node, num_local)  # [source local rank, local expert]
-        flight = _InFlight(self.node_group, counts.view(per_node, num_local).sum(1).tolist(),
+        flight = _InFlight(lane_group(self.node_group), counts.view(per_node, num_local).sum(1).tolist(),
                            recv_counts.sum(1).tolist())
         segment = torch.arange(per_node * num_local, device=arrived_ids.device).repeat_interleave(
             recv_counts.reshape(-1))
@@ -247,15 +259,15 @@ class HierarchicalDispatcher:
         start = time.perf_counter()
         y = torch.empty_like(y).index_copy(0, expert_major, y)  # back to (source local rank, expert) order
         self._count(flight.output_splits, self.local, y, cross=False)
-        y = all_to_all(y, _InFlight(self.node_group, flight.output_splits, flight.input_splits))
+        y = all_to_all(y, _InFlight(flight.group, flight.output_splits, flight.input_splits))
         arrived = sum(rail.output_splits)
         slots = y.new_zeros(arrived * k, h).index_copy(0, order, y).view(arrived, k, h)  # (B, K, H), 0: elsewhere
         w = torch.where(on_dest, weights[token], 0)  # (A, K)
-        w = all_to_all(w, _InFlight(self.rail_group, rail.input_splits, rail.output_splits))  # (B, K)
+        w = all_to_all(w, _InFlight(rail.group, rail.input_splits, rail.output_splits))  # (B, K)
         self.cross_node_meta_bytes += (sum(rail.input_splits) - rail.input_splits[self.node]) * k * w.element_size()
         partial = weighted_sum(slots, w)  # (B, H): each arrived row's experts on this node, summed
         self._count(rail.output_splits, self.node, partial, cross=True)
-        partial = all_to_all(partial, _InFlight(self.rail_group, rail.output_splits, rail.input_splits))  # (A, H)
+        partial = all_to_all(partial, _InFlight(rail.group, rail.output_splits, rail.input_splits))  # (A, H)
         self.wait_seconds += time.perf_counter() - start
         per_node = partial.new_zeros(self.nodes * n, h).index_copy(0, dest * n + token, partial)
         return per_node.view(self.nodes, n, h).sum(0)
@@ -297,11 +309,14 @@ class EtpDispatcher:
         else:
             setattr(self.inner, name, value)
 
+    def comm_groups(self) -> list:
+        return [*self.inner.comm_groups(), self.group]
+
     def dispatch(self, x: torch.Tensor, indices: torch.Tensor, num_experts: int):
         """As the ep dispatcher's, with tokens per local expert summed over the etp group (L,)."""
         received, counts, state = self.inner.dispatch(x, indices, num_experts)
         all_counts = counts.new_empty(self.etp * counts.shape[0])
-        dist.all_gather_single(all_counts, counts, group=self.group)
+        dist.all_gather_single(all_counts, counts, group=lane_group(self.group))
         all_counts = all_counts.view(self.etp, -1)  # (etp, L) [etp rank, local expert]
         rows = all_counts.sum(1).tolist()  # R_j per etp rank
         segment = torch.arange(all_counts.numel(), device=x.device).repeat_interleave(all_counts.reshape(-1))
@@ -313,7 +328,7 @@ class EtpDispatcher:
         """→ the etp group's copies (T, H), expert-major."""
         inner_state, rows, expert_major = state
         mine = self.inner.wait(received, inner_state)  # (R, H)
-        gather = _InFlight(self.group, [rows[self.rank]] * self.etp, rows)
+        gather = _InFlight(lane_group(self.group), [rows[self.rank]] * self.etp, rows)
         return all_to_all(mine.repeat(self.etp, 1), gather)[expert_major]
 
     def combine(self, y: torch.Tensor, state, weights: torch.Tensor) -> torch.Tensor:
@@ -321,7 +336,7 @@ class EtpDispatcher:
         inner_state, rows, expert_major = state
         y = torch.empty_like(y).index_copy(0, expert_major, y)  # back to (etp rank, expert) order
         mine = rows[self.rank]
-        y = all_to_all(y, _InFlight(self.group, rows, [mine] * self.etp))  # (etp·R, H): every rank's part
+        y = all_to_all(y, _InFlight(lane_group(self.group), rows, [mine] * self.etp))  # (etp·R, H): every rank's part
         return self.inner.combine(y.view(self.etp, mine, y.shape[-1]).sum(0), inner_state, weights)
 
     def exchange(self, gate_up: torch.Tensor) -> torch.Tensor:

@@ -36,6 +36,7 @@ from seekforge.model.loss import objective
 from seekforge.model.moe import MoE
 from seekforge.parallel import cp as cp_module
 from seekforge.parallel.mesh import ParallelMesh
+from seekforge.parallel.overlap import overlap_dualpipev
 from seekforge.parallel.parallelize import parallelize
 from seekforge.parallel.tp import loss_context
 
@@ -174,6 +175,13 @@ class PipelineRunner:
         for param in self.parameters():
             param.grad = None
         return parts
+
+    def overlap_f_b(self) -> None:
+        """Run each of DualPipeV's overlapped (forward, full backward) pairs at once (parallel/overlap.py)."""
+        if self.pc.pp_schedule != "DualPipeV":
+            raise ValueError(f"overlap=True under pp needs pp_schedule='DualPipeV' (its overlapped forward/backward "
+                             f"pairs); got {self.pc.pp_schedule!r}: switch the schedule or use overlap=False")
+        overlap_dualpipev(self.schedule, self.modules)
 
     def _check_batch(self, input_ids: torch.Tensor) -> None:
         if input_ids.shape[0] % self.pc.microbatches:

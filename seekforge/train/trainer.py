@@ -50,6 +50,7 @@ from seekforge.model.moe import MoE
 from seekforge.model.precision import resolve_dtype
 from seekforge.parallel import cp
 from seekforge.parallel.cp import data_group
+from seekforge.parallel.overlap import accumulate, check_supported, create_lanes, expert_groups, fsdp_unsharded
 from seekforge.parallel.parallelize import compile_blocks
 from seekforge.parallel.recompute import apply_recompute
 from seekforge.parallel.tp import loss_context
@@ -134,6 +135,10 @@ class Trainer:
         self.peak_flops = cfg.peak_flops or measure_peak_flops(self.compute_dtype, self.device)
         self._iterator = iter(loader)
         self.probe = TrainingProbe.open(cfg.probe, self.modules, self.optimizers, self.out_dir)
+        if cfg.overlap:
+            self._check_overlap(mesh)
+            if _distributed():
+                create_lanes(expert_groups(self.modules))
 
     # ------------------------------------------------------------------ state
     def resume(self, path: str | Path | None = None) -> bool:
@@ -183,7 +188,10 @@ class Trainer:
             module.train()
         sums = dict.fromkeys(self.loss_names, torch.zeros((), device=self.device))
         self.probe.begin_step(self.step + 1)
-        for _ in range(cfg.grad_accum):
+        overlapped = cfg.overlap and cfg.grad_accum > 1 and self.runner is None
+        if overlapped:
+            sums = self._accumulate_overlapped(sums)
+        for _ in range(0 if overlapped else cfg.grad_accum):
             batch = self._next_batch()
             self.probe.mark("data")
             if self.runner is not None:  # forward and backward of all pipeline micro-batches
@@ -241,6 +249,43 @@ class Trainer:
             raise ValueError("context parallelism with packed documents (segment_ids) is not supported yet; "
                              "use cp=1 for such data")
         return cp.cp_lm_loss(self.model, batch["input_ids"], batch["labels"], self.cp_mesh, mtp_loss_scale)
+
+    def _check_overlap(self, mesh) -> None:
+        for name in ("tp", "cp"):  # their collectives inside the layers would come from both threads on one group
+            try:
+                size = mesh[name].size() if mesh is not None else 1
+            except KeyError:
+                size = 1
+            if size > 1:
+                raise ValueError(f"TrainConfig.overlap=True with {name}={size} is not supported (only the expert "
+                                 f"exchanges get a lane per micro-batch); use {name}=1 or overlap=False")
+        check_supported(self.modules, self.device, pipelined=self.runner is not None)
+        if self.runner is not None:  # pipeline micro-batches overlap inside the schedule, not across grad_accum
+            self.runner.overlap_f_b()
+            return
+        if self.master_weights is not None:
+            raise ValueError("TrainConfig.overlap=True with bf16 on one process is not supported (its bf16 weight "
+                             "copies span one forward and backward); use dtype='fp32' or overlap=False")
+
+    def _accumulate_overlapped(self, sums: dict) -> dict:
+        """The grad_accum micro-batches with each forward running beside the previous micro-batch's backward
+        (cfg.overlap, parallel/overlap.py): the same gradients and loss sums as the sequential loop."""
+        cfg, parts_of = self.cfg, []
+
+        def forward(i: int) -> torch.Tensor:
+            batch = self._next_batch()
+            with self._autocast():
+                loss, parts = self._loss(batch, cfg.mtp_loss_scale)
+            parts_of.append({"loss": loss.detach(), **parts})
+            return loss / cfg.grad_accum
+
+        with loss_context(self.tp_mesh), fsdp_unsharded(self.model) as reduce:
+            accumulate(cfg.grad_accum, forward, torch.Tensor.backward, reduce)
+        self.probe.mark("backward")  # forward and backward together
+        for parts in parts_of:
+            for name, value in parts.items():
+                sums[name] = sums[name] + plain_tensor(value).float() / cfg.grad_accum
+        return sums
 
     def read_metrics(self, records: list[dict], seconds: float) -> list[dict]:
         """train_step's records of the steps that took `seconds` together, their device tensors read as floats

@@ -19,3 +19,21 @@ def test_recompute_gives_the_same_training(tmp_path, make_loader, recompute):
         assert a["expert_imbalance"] == b["expert_imbalance"]
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6, abs=1e-6)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+
+
+def test_overlap_gives_the_same_training_on_one_process(tmp_path, make_loader):
+    """TrainConfig.overlap runs each micro-batch's forward beside the previous one's backward (parallel/overlap.py):
+    on one process too, the same losses and grad norms bit for bit (tests/dist/test_ep_overlap.py: under ep=2)."""
+    curves = {}
+    for overlap in (False, True):
+        cfg = tiny_train_config(tmp_path / str(overlap), steps=3, grad_accum=3, dtype="fp32", overlap=overlap)
+        model = prepare_model(build_model(cfg.model_config(), seed=0), cfg)
+        curves[overlap] = Trainer(cfg, model, make_loader(cfg)).fit()
+    for a, b in zip(curves[False], curves[True], strict=True):
+        assert (a["loss"], a["grad_norm"], a["expert_imbalance"]) == (b["loss"], b["grad_norm"], b["expert_imbalance"])
+
+
+def test_overlap_refuses_bf16_master_weights(tmp_path, make_loader):
+    cfg = tiny_train_config(tmp_path, dtype="bf16", overlap=True)
+    with pytest.raises(ValueError, match="overlap=True with bf16 on one process"):
+        Trainer(cfg, build_model(cfg.model_config(), seed=0), make_loader(cfg))
