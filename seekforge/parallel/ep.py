@@ -345,7 +345,7 @@ class EtpDispatcher:
         t, p = gate_up.shape[0], gate_up.shape[1] // 2
         order, send, recv = self.routes
         pieces = gate_up.view(t, 2, p).transpose(0, 1)[order].reshape(2 * t, p)  # (2T, P) by destination rank
-        mine = all_to_all(pieces, _InFlight(self.group, [n * t for n in send], [n * t for n in recv]))
+        mine = all_to_all(pieces, _InFlight(lane_group(self.group), [n * t for n in send], [n * t for n in recv]))
         return torch.cat((mine[:t], mine[t:]), dim=-1)  # gate arrives before up: from a lower etp rank
 
 
