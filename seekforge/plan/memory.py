@@ -551,7 +551,8 @@ def cp_attention_bytes(cfg: ModelConfig, batch: int, seq_len: int, cp: int, nh: 
     keeps) and an fp32 LSE (B, nh, Tl). A backward ring step adds: the visiting block re-expanded (k, v and
     kv_b_proj's output), its fp32 dK/dV, the whole fp32 dq, dO transposed and Σ dO·O per row, the block in
     flight and two fp32 latent gradients (this step's and the travelling one); then either a few fp32
-    (B, nh, T/2cp, T/2cp) tiles (the loop) or the dK/dV cat and kv_b_proj's output gradient (its end)."""
+    (B, nh, T/2cp, T/2cp) tiles (the loop) or kv_b_proj's output gradient (its end, where dK/dV are cat
+    into one tensor each: measured, the peak of an i44 cp=2 step is there)."""
     a, local = act_bytes, batch * seq_len // cp  # tokens on this rank
     r, dr, dn, dv, dqk = (cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim,
                           cfg.qk_head_dim)
@@ -562,7 +563,7 @@ def cp_attention_bytes(cfg: ModelConfig, batch: int, seq_len: int, cp: int, nh: 
     step = expanded + grad_kv + 4.0 * local * nh * dqk + a * local * nh * dv + 4.0 * local * nh
     step += latents + 2 * 4.0 * local * (r + dr)
     tiles = 3 * 4.0 * batch * nh * (seq_len / (2 * cp)) ** 2
-    return saved, step + max(tiles, grad_kv + a * local * nh * (dn + dv))
+    return saved, step + max(tiles, a * local * nh * (dn + dv))
 
 
 def expected_nodes_per_token(cfg: ModelConfig, ep_nodes: int) -> float:

@@ -179,7 +179,7 @@ def test_hierarchical_ep_keeps_a_slot_row_per_token_and_node():
 @pytest.mark.slow
 def test_measured_table_on_gloo_ranks():
     """benchmarks/plan_memory.py's cases (single device bf16/fp32 and every recompute mode, a config
-    without q_lora, FSDP, EP, two pipeline schedules, cp, cp × FSDP, etp × ep, hierarchical EP) against
+    without q_lora, FSDP, EP, two pipeline schedules, cp, cp × FSDP, cp in bf16, etp × ep, hierarchical EP) against
     the profiler's allocation record; gloo cases as the median of 3 runs (gloo's in-flight copies under
     FSDP follow the machine's load)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
