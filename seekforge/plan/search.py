@@ -15,7 +15,10 @@ Time model (per training step, one global batch):
             the routing's node limit) at the inter-node bandwidth, then the copies (r−1)/r within
             the node of r = ep/G ranks at the intra-node one;
   expert-TP an all-gather of the received copies over the etp ranks before the experts and a
-            reduce-scatter of their partial outputs after, (etp−1) × the copies each, both ways;
+            reduce-scatter of their partial outputs after, (etp−1) × the copies each, both ways; and
+            between the GEMMs the exchange of gate/up pieces (each rank stores a contiguous 1/etp of
+            the fused [gate; up] rows but computes one slice of both): (etp−1)/etp of the etp ranks'
+            rows × 2I/etp, forward and its gradient backward;
   CP        each rank computes T/cp of every row (the FLOPs divide by cp); per block, ring attention
             passes the MLA latents (r + dr per token, not the expanded heads) round the cp ranks:
             cp − 1 blocks forward, each in flight while the rank computes on the one it holds, and in
@@ -266,7 +269,11 @@ def _comm_per_microbatch(cfg: ModelConfig, pc: ParallelConfig, cluster: Cluster,
     else:
         out["ep"] = 4 * moe_layers * (pc.ep - 1) / pc.ep * copies / _bandwidth(cluster, pc.ep * pc.tp)
     if pc.etp > 1:  # the etp ranks hold the same experts ep·tp ranks apart (parallel/mesh.py's etp view)
-        out["etp"] = 4 * moe_layers * (pc.etp - 1) * copies / _bandwidth(cluster, pc.etp * pc.ep * pc.tp)
+        # gate/up pieces sent: (etp−1)/etp of the etp·tokens·K rows, 2I/etp wide, in bf16
+        width = 2 * cfg.moe_intermediate_size / pc.tp / pc.etp
+        exchange = 2.0 * tokens * cfg.num_experts_per_tok * (pc.etp - 1) * width
+        bandwidth = _bandwidth(cluster, pc.etp * pc.ep * pc.tp)
+        out["etp"] = moe_layers * (4 * (pc.etp - 1) * copies + 2 * exchange) / bandwidth
     return out
 
 

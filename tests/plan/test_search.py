@@ -81,6 +81,11 @@ def test_time_model_prices_cp_etp_and_the_node_boundary():
     assert nodes["ep"] == pytest.approx(flat["ep"] * (3.5 / 50 + 7 / 150) / (7.875 / 50))
     etp = _comm_per_microbatch(cfg, ParallelConfig(dp_shard=64, ep=8, etp=2), cluster, tokens)
     assert etp["etp"] > 0 and etp["ep"] < flat["ep"]
+    # gather and reduce-scatter of the copies both ways, and the gate/up exchange (half the etp=2 ranks'
+    # 2·tokens·K rows, I wide: the other rank's slice) forward and backward, over 16 ranks at 50 GB/s
+    copies, rows = 2.0 * tokens * cfg.num_experts_per_tok * cfg.hidden_size, 2 * tokens * cfg.num_experts_per_tok
+    exchange = 2.0 * rows / 2 * cfg.moe_intermediate_size
+    assert etp["etp"] == pytest.approx(cfg.num_moe_layers * (4 * copies + 2 * exchange) / 50e9)
     small = preset("small")
     one, _, t1 = _step_time(small, ParallelConfig(dp_shard=2), cluster, 1, 4, 4096)
     cp2, _, t2 = _step_time(small, ParallelConfig(dp_shard=2, cp=2), cluster, 1, 4, 4096)
