@@ -74,6 +74,9 @@ CASES = [
     Case("i44-cp2-fp32", ISSUE44, dict(cp=2), dtype="fp32", **I44),
     Case("i44-cp2-fsdp2-fp32", ISSUE44, dict(cp=2, dp_shard=2), dtype="fp32", **I44),
     Case("i44-cp2-bf16", ISSUE44, dict(cp=2, mixed_precision="bf16"), **I44),
+    Case("i44-cp2-tp2-fp32", ISSUE44, dict(cp=2, tp=2), dtype="fp32", **I44),
+    Case("i44-cp2-pp2-fp32", ISSUE44, dict(cp=2, pp=2, pp_schedule="1F1B", microbatches=3), dtype="fp32", **I44),
+    Case("i44-cp2-ep2-bf16", ISSUE44, dict(cp=2, ep=2, mixed_precision="bf16"), **I44),
     Case("i44-etp2-ep2", ISSUE44, dict(dp_shard=4, ep=2, etp=2), **I44),
     Case("i44-ep4-nodes2", ISSUE44, dict(dp_shard=4, ep=4, ep_nodes=2), **I44),
 ]
