@@ -74,6 +74,7 @@ CASES = [
     Case("i44-cp2-fp32", ISSUE44, dict(cp=2), dtype="fp32", **I44),
     Case("i44-cp2-fsdp2-fp32", ISSUE44, dict(cp=2, dp_shard=2), dtype="fp32", **I44),
     Case("i44-cp2-bf16", ISSUE44, dict(cp=2, mixed_precision="bf16"), **I44),
+    Case("i44-cp2-autocast", ISSUE44, dict(cp=2), **I44),  # bf16 autocast on plain weights: master weights
     Case("i44-cp2-tp2-fp32", ISSUE44, dict(cp=2, tp=2), dtype="fp32", **I44),
     Case("i44-cp2-pp2-fp32", ISSUE44, dict(cp=2, pp=2, pp_schedule="1F1B", microbatches=3), dtype="fp32", **I44),
     Case("i44-cp2-ep2-bf16", ISSUE44, dict(cp=2, ep=2, mixed_precision="bf16"), **I44),

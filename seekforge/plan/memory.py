@@ -7,8 +7,9 @@ receiver), a = 2 under bf16 autocast, 4 in fp32.
 What a step keeps (train/trainer.py, train/master.py, model/*.py, parallel/*.py; checked against the
 profiler's allocation record by benchmarks/plan_memory.py, against LiveBytes by tests/plan/test_memory.py):
   state      fp32 parameters + AdamW's two moments (optimizer_bytes each) — shards of them under FSDP;
-             bf16 on one process adds train/master.py's persistent bf16 copy and fp32 main gradient of
-             every matmul weight (alive all step, between steps too);
+             bf16 on plain parameters (one process; cp ranks without FSDP, TP, EP or PP) adds
+             train/master.py's persistent bf16 copy and fp32 main gradient of every matmul weight (alive
+             all step, between steps too);
   grads      fp32, appear layer by layer in backward, then live until the optimizer step (under master
              weights bf16, added into the main gradients when the pass ends); accumulated over
              micro-batches, each new one exists only until it is added;
@@ -280,9 +281,11 @@ class UnitBytes:
         # Autocast keeps a bf16 copy of each fp32 weight from forward to backward; FSDP's bf16
         # mixed precision computes on bf16 weights it gathers and frees again (storage resize), so
         # nothing stays (parallel/fsdp.py).
-        # One process in bf16 (no runner, no DTensor): train/master.py's persistent bf16 weights instead
-        # of autocast's per-forward casts.
-        self.master = self.autocast and pc.world_size == 1
+        # bf16 on plain parameters (no pipeline runner, no DTensor: one process, or cp ranks that replicate
+        # the weights): train/master.py's persistent bf16 weights instead of autocast's per-forward casts.
+        plain = pc.world_size == 1 or (pc.tp == pc.ep == pc.pp == pc.dp_replicate * pc.dp_shard == 1
+                                       and pc.mixed_precision == "fp32")
+        self.master = self.autocast and plain
         self.keeps_copies = self.autocast and pc.mixed_precision == "fp32" and not self.master
         self.skew = moe_skew if pc.ep > 1 else 1.0
         # FSDP shards parameters, gradients and states over dp_shard (× cp: parallel/parallelize.py)

@@ -146,6 +146,11 @@ def test_context_parallel_divides_activations_and_shards_with_fsdp():
     assert cp_attention_bytes(cfg, 2, 1024, 4, nh, 4) == (saved, workspace)  # the same tokens per rank
     # a few fp32 (T/2cp, T/2cp) tiles at a time, never a (T/cp, T) score matrix: far below one at long rows
     assert cp_attention_bytes(cfg, 1, 16384, 4, nh, 2)[1] < 0.25 * 4.0 * nh * 4096 * 16384
+    # bf16 on cp ranks that replicate plain weights: the Trainer's master weights, as on one process
+    from seekforge.plan.memory import UnitBytes
+
+    assert UnitBytes(cfg, ParallelConfig(cp=2), 2, 512, 2, 1.0).master
+    assert not UnitBytes(cfg, ParallelConfig(cp=2, tp=2), 2, 512, 2, 1.0).master  # DTensor weights: autocast
     with pytest.raises(ValueError, match="multiple of 4"):
         estimate_memory(cfg, ParallelConfig(cp=2), 2, 510)
 
