@@ -70,20 +70,23 @@ CASES = [
     Case("i44-fp32", ISSUE44, dtype="fp32", **I44),
     Case("i44-fsdp2-ep2-fp32", ISSUE44, dict(dp_shard=2, ep=2), dtype="fp32", **I44),
     Case("i44-pp2-1f1b", ISSUE44, dict(pp=2, pp_schedule="1F1B", microbatches=3), **I44),
-    # context parallelism runs in fp32 for now (ParallelConfig); its cp ranks share the 3 rows
+    # context parallelism (ring attention): its cp ranks share the 3 rows
     Case("i44-cp2-fp32", ISSUE44, dict(cp=2), dtype="fp32", **I44),
     Case("i44-cp2-fsdp2-fp32", ISSUE44, dict(cp=2, dp_shard=2), dtype="fp32", **I44),
+    Case("i44-cp2-bf16", ISSUE44, dict(cp=2, mixed_precision="bf16"), **I44),
+    Case("i44-cp2-autocast", ISSUE44, dict(cp=2), **I44),  # bf16 autocast on plain weights: master weights
+    Case("i44-cp2-tp2-fp32", ISSUE44, dict(cp=2, tp=2), dtype="fp32", **I44),
+    Case("i44-cp2-pp2-fp32", ISSUE44, dict(cp=2, pp=2, pp_schedule="1F1B", microbatches=3), dtype="fp32", **I44),
+    Case("i44-cp2-ep2-bf16", ISSUE44, dict(cp=2, ep=2, mixed_precision="bf16"), **I44),
     Case("i44-etp2-ep2", ISSUE44, dict(dp_shard=4, ep=2, etp=2), **I44),
     Case("i44-ep4-nodes2", ISSUE44, dict(dp_shard=4, ep=4, ep_nodes=2), **I44),
 ]
 
 
 def train_config(case: Case) -> TrainConfig:
-    # cp_lm_loss refuses the sequence-wise balance loss for now (parallel/cp.py)
-    aux = {"aux_loss_coeff": 0.0} if case.parallel.get("cp", 1) > 1 else {}
     return TrainConfig(preset="small", model=case.model, seq_len=case.seq_len, micro_batch_size=case.micro_batch_size,
                        recompute=case.recompute, dtype=case.dtype, peak_flops=1.0, eval_interval=0,
-                       parallel=case.parallel, out_dir=tempfile.gettempdir(), **aux)
+                       parallel=case.parallel, out_dir=tempfile.gettempdir())
 
 
 def measure_rank(case: Case, mesh=None) -> dict:
@@ -121,44 +124,12 @@ def _train_and_measure(case: Case, mesh, reference) -> tuple[int, float]:
             tokens = torch.randint(0, vocab, (case.micro_batch_size, case.seq_len + 1), generator=gen)
             yield {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
 
-    trainer = Trainer(cfg, model, loader(), mesh=mesh)
-    with _context_parallel_step(model, pc, mesh):
+    trainer = Trainer(cfg, model, loader(), mesh=mesh)  # under cp the Trainer forwards this rank's chunks
+    trainer.train_step()
+    tracker = LiveBytes(state_tensors(trainer.modules, trainer.optimizers, trainer.master_weights))
+    with reference.window(), tracker, _routed_copies(trainer) as copies:
         trainer.train_step()
-        tracker = LiveBytes(state_tensors(trainer.modules, trainer.optimizers, trainer.master_weights))
-        with reference.window(), tracker, _routed_copies(trainer) as copies:
-            trainer.train_step()
     return tracker.peak, copies[0] / copies[1] if copies[1] else 1.0
-
-
-@contextmanager
-def _context_parallel_step(model, pc: ParallelConfig, mesh):
-    """Under cp > 1, the Trainer's step as tests/dist/test_cp.py runs it (pretrain does not run cp yet):
-    parallel/cp.py's cp_lm_loss for lm_loss (each cp rank forwards its chunks of the shared rows),
-    backward cp · loss under FSDP (it averages over dp_shard × cp), else the gradients summed over cp
-    before the clip."""
-    if pc.cp == 1:
-        yield
-        return
-    import seekforge.train.trainer as trainer_module
-    from seekforge.parallel.cp import all_reduce_grads, cp_lm_loss
-
-    lm_loss, clip = trainer_module.lm_loss, trainer_module.clip_grad_norm
-    fsdp = pc.dp_shard > 1
-
-    def cp_loss(model, input_ids, labels, positions=None, segment_ids=None, mtp_loss_scale=0.3):
-        loss, parts = cp_lm_loss(model, input_ids, labels, mesh["cp"], mtp_loss_scale)
-        return (loss * pc.cp if fsdp else loss), parts
-
-    def summed_clip(params, *args, **kwargs):
-        if not fsdp:
-            all_reduce_grads(model, mesh["cp"])
-        return clip(params, *args, **kwargs)
-
-    trainer_module.lm_loss, trainer_module.clip_grad_norm = cp_loss, summed_clip
-    try:
-        yield
-    finally:
-        trainer_module.lm_loss, trainer_module.clip_grad_norm = lm_loss, clip
 
 
 @contextmanager

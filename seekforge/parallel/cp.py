@@ -214,10 +214,18 @@ class _RingAttention(torch.autograd.Function):
         out = torch.cat(out, dim=2).transpose(1, 2).to(q.dtype).contiguous()  # (B, T/cp, nh, dv)
         ctx.save_for_backward(q, latents, weight, out, torch.cat(lse, dim=2))
         ctx.attn, ctx.ring = attn, ring
+        device = q.device.type  # backward re-expands the blocks under forward's autocast state (as custom_bwd)
+        ctx.autocast = (device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
+        device, dtype, enabled = ctx.autocast
+        with torch.autocast(device, dtype=dtype, enabled=enabled):
+            return _RingAttention._backward(ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx, grad_out):
         q, latents, weight, out, lse = ctx.saved_tensors
         attn, ring = ctx.attn, ctx.ring
         grad_out = grad_out.to(q.dtype)

@@ -7,8 +7,9 @@ receiver), a = 2 under bf16 autocast, 4 in fp32.
 What a step keeps (train/trainer.py, train/master.py, model/*.py, parallel/*.py; checked against the
 profiler's allocation record by benchmarks/plan_memory.py, against LiveBytes by tests/plan/test_memory.py):
   state      fp32 parameters + AdamW's two moments (optimizer_bytes each) — shards of them under FSDP;
-             bf16 on one process adds train/master.py's persistent bf16 copy and fp32 main gradient of
-             every matmul weight (alive all step, between steps too);
+             bf16 on plain parameters (one process; cp ranks without FSDP, TP, EP or PP) adds
+             train/master.py's persistent bf16 copy and fp32 main gradient of every matmul weight (alive
+             all step, between steps too);
   grads      fp32, appear layer by layer in backward, then live until the optimizer step (under master
              weights bf16, added into the main gradients when the pass ends); accumulated over
              micro-batches, each new one exists only until it is added;
@@ -30,10 +31,9 @@ rank (`moe_skew` per EP rank); one `moe_skew` plans every EP rank as the busiest
 
 The other layouts (parallel/cp.py, parallel/ep.py):
   cp         a rank holds T/cp tokens of every row (N = B·T/cp above); FSDP, when on, shards over
-             dp_shard × cp; the attention term is `cp_attention_bytes` (today's all-gathered latents);
-  etp        each etp rank computes with I/etp of its E/ep experts on the rows of all etp ranks
-             (etp × its received copies); the weights it keeps whole (`ETP_SHARDED_WEIGHTS`) are
-             sliced per forward (copies of the slices saved for backward);
+             dp_shard × cp; the attention term is `cp_attention_bytes` (ring attention);
+  etp        each etp rank stores and computes with I/etp of its E/ep experts, on the rows of all etp
+             ranks (etp × its received copies); the gate/up exchange's buffers in backward;
   ep_nodes   HierarchicalDispatcher's combine keeps one (K, H) slot row per arrived (token, node) row.
 """
 
@@ -46,13 +46,6 @@ from seekforge.plan import schedule as sched
 from seekforge.plan.shapes import Unit, model_units
 
 GiB = 2**30
-
-# Expert-TP (parallel/ep.py's apply_ep with etp > 1): False while every etp rank keeps its E/ep experts
-# whole and slices I/etp of them each forward (intermediate_slice: copies of the slices live until the
-# backward); True once each etp rank stores only its I/etp slice of gate/up/down (then the gathered
-# weights, the autocast copies and the weight gradients' transients are 1/etp as large). Flip it with
-# the change to apply_ep; estimate_memory's `etp_sharded_weights` overrides it per call.
-ETP_SHARDED_WEIGHTS = False
 
 
 @dataclass
@@ -114,8 +107,7 @@ class MemoryPlan:
 def estimate_memory(cfg: ModelConfig, pc: ParallelConfig, micro_batch_size: int, seq_len: int,
                     dtype: str = "bf16", optimizer_bytes: int = 4, moe_skew: float | list[float] = 1.0,
                     split_points: list[int] | None = None, recompute: str | list[str] | None = None,
-                    flash_attention: bool = False, collectives_in_flight: bool = True,
-                    etp_sharded_weights: bool | None = None) -> MemoryPlan:
+                    flash_attention: bool = False, collectives_in_flight: bool = True) -> MemoryPlan:
     """Peak bytes per pipeline rank (and, given per-rank routing, per expert-parallel rank) for one step.
 
     micro_batch_size: sequences per data-parallel rank per step (divided into pc.microbatches under pp);
@@ -128,8 +120,7 @@ def estimate_memory(cfg: ModelConfig, pc: ParallelConfig, micro_batch_size: int,
     recompute: overrides pc.recompute (one mode, or one per block: main layers then MTP blocks);
     flash_attention: the CUDA path (SDPA keeps q, k, v, its output and a log-sum-exp per row) rather
     than the CPU one (MatmulAttention keeps the (T, T) probabilities); collectives_in_flight: False where
-    collectives complete at once (the traced mode's fake process group: no reduce-scatter overlaps);
-    etp_sharded_weights: expert-TP ranks store 1/etp of each expert (None: ETP_SHARDED_WEIGHTS).
+    collectives complete at once (the traced mode's fake process group: no reduce-scatter overlaps).
     Under context parallelism micro_batch_size counts whole rows (the cp ranks of a data-parallel
     rank share them) and seq_len their full length."""
     if dtype not in ("bf16", "fp32"):
@@ -155,13 +146,12 @@ def estimate_memory(cfg: ModelConfig, pc: ParallelConfig, micro_batch_size: int,
     if seq_len % (2 * pc.cp):
         raise ValueError(f"cp={pc.cp} splits each row into {2 * pc.cp} chunks, but seq_len={seq_len}; use a "
                          f"multiple of {2 * pc.cp}")
-    etp_sharded = ETP_SHARDED_WEIGHTS if etp_sharded_weights is None else etp_sharded_weights
     stages = _stage_units(cfg, pc, units, split_points)
     ranks_of = _ranks_of_stages(pc)
     classes = []  # [pp rank][ep class]
     for ep_rank, skew in enumerate(skews):
         shape = UnitBytes(cfg, pc, micro_batch_size // microbatches, seq_len, 2 if bf16 else 4, skew,
-                          flash_attention, collectives_in_flight, etp_sharded)
+                          flash_attention, collectives_in_flight)
         per_stage = [[shape.unit(u, mode_of.get(u.layer_id, "none")) for u in stage] for stage in stages]
         # Pipeline stages autocast each micro-batch's forward on its own (parallel/pp.py), so every in-flight
         # micro-batch holds its own bf16 weight copies: they count with its activations.
@@ -279,28 +269,30 @@ class UnitBytes:
     """Bytes of one micro-batch's tensors for each unit kind (see the module docstring)."""
 
     def __init__(self, cfg: ModelConfig, pc: ParallelConfig, batch: int, seq_len: int, act_bytes: int,
-                 moe_skew: float, flash_attention: bool = False, collectives_in_flight: bool = True,
-                 etp_sharded: bool = False):
+                 moe_skew: float, flash_attention: bool = False, collectives_in_flight: bool = True):
         self.cfg, self.pc, self.b, self.t, self.a = cfg, pc, batch, seq_len, act_bytes
         self.flash = flash_attention
         self.in_flight = collectives_in_flight
         self.n = batch * seq_len // pc.cp  # tokens on this rank: T/cp of every row
-        self.etp_sharded = etp_sharded and pc.etp > 1
-        # Of the model's routed-expert weights, the share one rank computes with, whole (before FSDP).
-        self.expert_share = 1 / (pc.ep * pc.etp) if self.etp_sharded else 1 / pc.ep
+        # Of the model's routed-expert weights, the share one rank stores and computes with (before FSDP):
+        # E/ep experts, 1/etp of each under expert-TP.
+        self.expert_share = 1 / (pc.ep * pc.etp)
         self.autocast = act_bytes == 2
         # Autocast keeps a bf16 copy of each fp32 weight from forward to backward; FSDP's bf16
         # mixed precision computes on bf16 weights it gathers and frees again (storage resize), so
         # nothing stays (parallel/fsdp.py).
-        # One process in bf16 (no runner, no DTensor): train/master.py's persistent bf16 weights instead
-        # of autocast's per-forward casts.
-        self.master = self.autocast and pc.world_size == 1
+        # bf16 on plain parameters (no pipeline runner, no DTensor: one process, or cp ranks that replicate
+        # the weights): train/master.py's persistent bf16 weights instead of autocast's per-forward casts.
+        plain = pc.world_size == 1 or (pc.tp == pc.ep == pc.pp == pc.dp_replicate * pc.dp_shard == 1
+                                       and pc.mixed_precision == "fp32")
+        self.master = self.autocast and plain
         self.keeps_copies = self.autocast and pc.mixed_precision == "fp32" and not self.master
         self.skew = moe_skew if pc.ep > 1 else 1.0
         # FSDP shards parameters, gradients and states over dp_shard (× cp: parallel/parallelize.py)
         fsdp = pc.dp_replicate * pc.dp_shard > 1 or pc.mixed_precision != "fp32"
         self.shard = pc.dp_shard * (pc.cp if fsdp else 1)
         self.gathered_dtype = 2 if pc.mixed_precision == "bf16" else 4
+        self.latent_bytes = self.gathered_dtype  # the normed c_kv: fp32 unless its norm's weight is bf16
         self.split_backward = False  # a zero-bubble schedule's I/W split (set by _inflight_bytes)
 
     def stage_output_bytes(self) -> float:
@@ -313,9 +305,8 @@ class UnitBytes:
         copies it on a worker thread, a CUDA stream keeps it until the collective ends). Measured on
         gloo (benchmarks/plan_memory.py, the profiler's record): 0 to 3 such copies live at the peak,
         by timing; one is counted, two under expert-TP, whose synchronous all-to-alls over the etp ranks
-        (gather, reduce-scatter, and with sharded weights the gate/up exchange) hold the reduce-scatters
-        back in backward (measured on etp=2 × ep=2: 8–22 MiB above LiveBytes' count with whole weights,
-        4–13 MiB with sharded ones; 0–12 MiB without etp)."""
+        (gather, gate/up exchange, reduce-scatter) hold the reduce-scatters back in backward (measured on
+        etp=2 × ep=2: 4–13 MiB above LiveBytes' count; 0–12 MiB without etp)."""
         if self.shard == 1 and self.pc.dp_replicate == 1:
             return 0.0
         largest = max((m.unit.attn_params + m.unit.dense_params) / self.pc.tp + m.unit.expert_params * self.expert_share
@@ -419,7 +410,7 @@ class UnitBytes:
         q_lora = 8.0 * n * cfg.q_lora_rank if cfg.q_lora_rank else 0.0
         r = cfg.kv_lora_rank
         kv = 8.0 * n * r if self.autocast else 4.0 * n * (r + cfg.qk_rope_head_dim) + 4.0 * n * r
-        if self.pc.cp > 1:  # kv_b_proj's input is the gathered latents: in cp_attention_bytes
+        if self.pc.cp > 1:  # kv_b_proj runs inside the ring attention, on the latents cp_attention_bytes saves
             kv -= (2.0 if self.autocast else 4.0) * n * r
         attention = residual + norm_out + q_lora + kv + attn
         moe = u.expert_params > 0
@@ -481,7 +472,7 @@ class UnitBytes:
         output and a log-sum-exp per row and head. Under context parallelism: cp_attention_bytes."""
         cfg, n, a = self.cfg, self.n, self.a
         if self.pc.cp > 1:
-            return cp_attention_bytes(cfg, self.b, self.t, self.pc.cp, nh, a, self.flash)[0]
+            return cp_attention_bytes(cfg, self.b, self.t, self.pc.cp, nh, a, self.latent_bytes)[0]
         if self.flash:
             kv_b_out = a * n * nh * (cfg.qk_nope_head_dim + cfg.v_head_dim)
             return a * n * nh * 2 * cfg.qk_head_dim + kv_b_out + 2 * a * n * nh * cfg.v_head_dim + 4.0 * n * nh
@@ -511,10 +502,6 @@ class UnitBytes:
         at_experts = a * rows * h + a * s * h  # expert input copies; the unsorted outputs in combine
         inside = a * rows * (2 * inter + inter)  # gate_up output (saved by _SwiGLU), the product
         copies = 2.0 * u.expert_params * self.expert_share if self.keeps_copies else 0.0
-        if self.pc.etp > 1 and not self.etp_sharded:
-            # intermediate_slice copies I/etp of the whole weights each forward; grouped_mm saves those
-            # copies (cast to bf16 under autocast) for backward, in fp32 too
-            copies = a * u.expert_params / (self.pc.ep * self.pc.etp)
         if self.pc.ep > 1:
             # the received rows before the grouped GEMM pads them per expert (_as_run), kept beside the
             # padded copy: the etp ranks' gathered rows under expert-TP
@@ -537,47 +524,49 @@ class UnitBytes:
         sweep); whichever is larger."""
         a = self.a
         if self.pc.cp > 1:
-            scores = cp_attention_bytes(self.cfg, self.b, self.t, self.pc.cp, nh, a, self.flash)[1]
+            scores = cp_attention_bytes(self.cfg, self.b, self.t, self.pc.cp, nh, a, self.latent_bytes)[1]
         else:
             scores = 0.0 if self.flash else 2 * a * self.b * nh * self.t * self.t
         experts = 0.0
         if u.expert_params:
             per_proj = u.expert_params / self.pc.ep * 2 / 3  # gate_up is 2 of the 3 expert matrices
-            if self.pc.etp > 1 and not self.etp_sharded:
-                # the slice's gradient in the compute dtype and in fp32, before it is scattered into the
-                # whole weight's gradient (the unit's gradient, counted by the sweep)
-                experts = per_proj / self.pc.etp * (a + 4.0 if self.autocast else 4.0)
-            else:
-                experts = per_proj / self.pc.etp * (2.0 if self.autocast and not self.master else 0.0)
-        return max(scores, experts)
+            experts = per_proj / self.pc.etp * (2.0 if self.autocast and not self.master else 0.0)
+        return max(scores, experts, self._etp_exchange(u))
+
+    def _etp_exchange(self, u: Unit) -> float:
+        """Expert-TP's gate/up exchange in backward (EtpDispatcher.exchange): the gradient of the (rows,
+        2I/etp) first GEMM output arrives as [gate | up] of this rank's slice, is cut into pieces by
+        destination and sent back, and the arrived pieces are put back in stored order: three such
+        buffers at once, besides the gradient itself (the sweep's)."""
+        if self.pc.etp == 1 or not u.expert_params:
+            return 0.0
+        rows = self.n * self.cfg.num_experts_per_tok * self.skew * self.pc.etp
+        return 3 * self.a * rows * 2 * self.cfg.moe_intermediate_size / self.pc.tp / self.pc.etp
 
 
 def cp_attention_bytes(cfg: ModelConfig, batch: int, seq_len: int, cp: int, nh: float, act_bytes: int,
-                       flash: bool) -> tuple[float, float]:
-    """(saved for backward, backward workspace) of one MLA's attention on one cp rank (parallel/cp.py),
-    kv_b_proj's input included; B rows of T tokens, T/cp of each on this rank, nh heads per rank.
+                       latent_bytes: int = 4) -> tuple[float, float]:
+    """(saved for backward, backward workspace) of one MLA's ring attention on one cp rank (parallel/cp.py's
+    _RingAttention; CPU and GPU alike), B rows of T tokens, Tl = T/cp of each here, nh heads per rank.
 
-    Today's ContextParallelAttention all-gathers every rank's latents [c_kv; k_pe] (B, T, r + dr) and
-    attends this rank's T/cp queries to all T keys under a (T/cp, T) mask: kv_b_proj saves the gathered
-    latents (a slice of them: the whole (B, T, r + dr) in fp32; a bf16 copy of the (B, T, r) slice under
-    autocast), the expanded k and v cover all T keys, the probabilities are (B, nh, T/cp, T), and the
-    backward's scores gradients as large. When ring attention replaces the gather (latent blocks passed
-    round the ranks, online-softmax merging), a rank keeps its q, its own latents, its output and the
-    log-sum-exp per row and head, and a backward holds one block's k, v, scores and the block in
-    flight: rewrite this function to that, and benchmarks/plan_memory.py's cp cases check it."""
+    Saved: the scaled q (B, nh, Tl, dqk), this rank's latents [c_kv; k_pe] (B, Tl, r + dr; fp32 unless
+    the weights are bf16: c_kv leaves an fp32-weighted norm), the output (B, Tl, nh, dv, the storage o_proj
+    keeps) and an fp32 LSE (B, nh, Tl). A backward ring step adds: the visiting block re-expanded (k, v and
+    kv_b_proj's output), its fp32 dK/dV, the whole fp32 dq, dO transposed and Σ dO·O per row, the block in
+    flight and two fp32 latent gradients (this step's and the travelling one); then either a few fp32
+    (B, nh, T/2cp, T/2cp) tiles (the loop) or kv_b_proj's output gradient (its end, where dK/dV are cat
+    into one tensor each: measured, the peak of an i44 cp=2 step is there)."""
     a, local = act_bytes, batch * seq_len // cp  # tokens on this rank
-    r, dr = cfg.kv_lora_rank, cfg.qk_rope_head_dim
-    latents = 2.0 * batch * seq_len * r if a == 2 else 4.0 * batch * seq_len * (r + dr)
-    q = a * local * nh * cfg.qk_head_dim
-    out = a * local * nh * cfg.v_head_dim  # o_proj's input
-    mask = 1.0 * local * seq_len / batch  # bool (T/cp, T), built once per step
-    if flash:  # SDPA: q and k, kv_b_proj's output (v a view of it), its output, a log-sum-exp per row
-        k = a * batch * seq_len * nh * cfg.qk_head_dim
-        kv_b_out = a * batch * seq_len * nh * (cfg.qk_nope_head_dim + cfg.v_head_dim)
-        return latents + q + k + kv_b_out + 2 * out + 4.0 * local * nh + mask, 0.0
-    kv = a * batch * seq_len * nh * (cfg.qk_head_dim + cfg.v_head_dim)
-    probs = a * local * nh * seq_len
-    return latents + q + kv + probs + out + mask, 2 * probs
+    r, dr, dn, dv, dqk = (cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim,
+                          cfg.qk_head_dim)
+    latents = latent_bytes * local * (r + dr)
+    saved = a * local * nh * (dqk + dv) + latents + 4.0 * local * nh
+    expanded = a * local * nh * (dqk + dv + dn + dv)
+    grad_kv = 4.0 * local * nh * (dqk + dv)
+    step = expanded + grad_kv + 4.0 * local * nh * dqk + a * local * nh * dv + 4.0 * local * nh
+    step += latents + 2 * 4.0 * local * (r + dr)
+    tiles = 3 * 4.0 * batch * nh * (seq_len / (2 * cp)) ** 2
+    return saved, step + max(tiles, a * local * nh * (dn + dv))
 
 
 def expected_nodes_per_token(cfg: ModelConfig, ep_nodes: int) -> float:

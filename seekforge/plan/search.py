@@ -15,15 +15,19 @@ Time model (per training step, one global batch):
             the routing's node limit) at the inter-node bandwidth, then the copies (r−1)/r within
             the node of r = ep/G ranks at the intra-node one;
   expert-TP an all-gather of the received copies over the etp ranks before the experts and a
-            reduce-scatter of their partial outputs after, (etp−1) × the copies each, both ways;
-  CP        each rank computes T/cp of every row (the FLOPs divide by cp); per block, an all-gather
-            of the MLA latents (r + dr per token) forward and its reduce-scatter backward, not
-            overlapped (ring attention would hide it behind the blocks' compute); the gradients
+            reduce-scatter of their partial outputs after, (etp−1) × the copies each, both ways; and
+            between the GEMMs the exchange of gate/up pieces (each rank stores a contiguous 1/etp of
+            the fused [gate; up] rows but computes one slice of both): (etp−1)/etp of the etp ranks'
+            rows × 2I/etp, forward and its gradient backward;
+  CP        each rank computes T/cp of every row (the FLOPs divide by cp); per block, ring attention
+            passes the MLA latents (r + dr per token, not the expanded heads) round the cp ranks:
+            cp − 1 blocks forward, each in flight while the rank computes on the one it holds, and in
+            backward the blocks again with their fp32 latent gradients (the last gradient's hop home
+            waited on); only what a ring step's attention compute cannot hide counts; the gradients
             reduce over dp_shard × cp under FSDP, else an all-reduce over cp after backward;
   FSDP      per micro-batch, all-gathers of the bf16 weights for forward and for backward and a
             reduce-scatter of the fp32 gradients, over the dense group (dp_shard) and the experts'
-            (dp_shard / ep), overlapped with the compute: only what exceeds it counts (fp32
-            gathers where the layout keeps FSDP's fp32 policy, as cp does for now);
+            (dp_shard · cp / ep), overlapped with the compute: only what exceeds it counts;
   PP p2p    a latency + (tokens, H) bytes per stage boundary crossing, on the simulated critical path.
 A group of ranks inside one node uses the intra-node bandwidth, one that spans nodes the inter-node one.
 """
@@ -138,20 +142,20 @@ def _divisors(n: int) -> list[int]:
 
 def _layouts(cfg: ModelConfig, devices: int, global_batch: int, seq_len: int, micro_batch_sizes,
              devices_per_node: int):
-    """Every ParallelConfig the model and cluster allow: tp inside a node, cp ranks sharing a data-parallel
-    rank's rows (seq_len a multiple of 2·cp), FSDP over the data-parallel ranks, ep dividing dp_shard,
-    etp splitting the experts of ep > 1 over more of them, and, where the ep ranks span nodes, the
-    hierarchical all-to-all over those nodes; whatever else pretrain refuses (ParallelConfig's checks: tp
-    dividing the heads and widths, ep the experts, etp the expert width, cp with the other dimensions or
-    bf16 FSDP for now, a layer per stage, enough micro-batches) is skipped. A layout FSDP's bf16 policy
-    is refused for (cp, for now) is tried with its fp32 policy."""
+    """Every ParallelConfig the model and cluster allow, with FSDP's bf16 policy: tp inside a node, cp ranks
+    sharing a data-parallel rank's rows (seq_len a multiple of 2·cp), FSDP over the data-parallel (× cp)
+    ranks, ep dividing dp_shard (× cp: ep may borrow cp ranks), etp splitting the experts of ep > 1 over
+    more of them, and, where the ep ranks span nodes, the hierarchical all-to-all over those nodes;
+    whatever else pretrain refuses (ParallelConfig's checks: tp dividing the heads and widths, ep the
+    experts, etp the expert width, cp with etp or ep_nodes, a layer per stage, enough micro-batches) is
+    skipped."""
     for tp in _divisors(min(devices, devices_per_node)):
         for pp in _divisors(devices // tp):
             for cp in [c for c in _divisors(devices // (tp * pp)) if c <= MAX_CP and seq_len % (2 * c) == 0]:
                 dp = devices // (tp * pp * cp)
                 if global_batch % dp:
                     continue
-                for ep, etp, ep_nodes in _expert_layouts(cfg, dp, tp, devices_per_node):
+                for ep, etp, ep_nodes in _expert_layouts(cfg, dp, cp, tp, devices_per_node):
                     for mbs in micro_batch_sizes:
                         if (global_batch // dp) % mbs:
                             continue
@@ -169,12 +173,15 @@ MAX_CP = 16  # context-parallel degrees searched (long sequences on 2·cp chunks
 MAX_ETP = 8  # expert-TP degrees searched (Megatron's expert_tensor_parallel_size is at most a node)
 
 
-def _expert_layouts(cfg: ModelConfig, dp: int, tp: int, devices_per_node: int):
-    """(ep, etp, ep_nodes) for dp data-parallel ranks: ep dividing the experts; etp > 1 over the rest of
-    dp (with ep > 1); ep_nodes > 1 (without etp) when the ep·tp ranks span that many nodes."""
-    eps = [e for e in _divisors(dp) if cfg.n_routed_experts and cfg.n_routed_experts % e == 0] or [1]
+def _expert_layouts(cfg: ModelConfig, dp: int, cp: int, tp: int, devices_per_node: int):
+    """(ep, etp, ep_nodes) for dp data-parallel ranks of cp ranks each: ep dividing the experts and dp · cp;
+    etp > 1 over the rest of dp (with ep > 1); ep_nodes > 1 (without etp) when the ep·tp ranks span that
+    many nodes. Neither etp nor ep_nodes with cp > 1 (ParallelConfig refuses them)."""
+    eps = [e for e in _divisors(dp * cp) if cfg.n_routed_experts and cfg.n_routed_experts % e == 0] or [1]
     for ep in eps:
         yield ep, 1, 1
+        if cp > 1:
+            continue
         if ep > 1:
             for etp in _divisors(dp // ep):
                 if 1 < etp <= MAX_ETP:
@@ -185,15 +192,13 @@ def _expert_layouts(cfg: ModelConfig, dp: int, tp: int, devices_per_node: int):
 
 
 def _checked(devices: int, cfg: ModelConfig, keys: dict) -> ParallelConfig | None:
-    """The layout with FSDP's bf16 policy, else its fp32 one, as ParallelConfig accepts it; None if neither."""
-    for mixed in ("bf16", "fp32"):
-        try:
-            pc = ParallelConfig(mixed_precision=mixed, **keys)
-            pc.validate(devices, cfg)
-            return pc
-        except ValueError:
-            continue
-    return None
+    """The layout with FSDP's bf16 policy, as ParallelConfig accepts it; None if it refuses it."""
+    try:
+        pc = ParallelConfig(mixed_precision="bf16", **keys)
+        pc.validate(devices, cfg)
+        return pc
+    except ValueError:
+        return None
 
 
 def _unit_step(schedule: str, pp: int, microbatches: int) -> tuple[float, float]:
@@ -218,7 +223,7 @@ def _step_time(cfg: ModelConfig, pc: ParallelConfig, cluster: Cluster, mbs: int,
         recompute += recompute_flops(cfg, u, tokens_mb, seq_len, pc.recompute)
     per_device = pc.tp * pc.pp * pc.cp  # the micro-batch's work is spread over a tp × pp × cp slice
     compute_mb = (fwd + bwd + recompute) / per_device / cluster.flops  # one micro-batch, one stage-rank
-    comm = _comm_per_microbatch(cfg, pc, cluster, tokens_mb / pc.cp)
+    comm = _comm_per_microbatch(cfg, pc, cluster, tokens_mb / pc.cp, seq_len)
     if pc.pp_schedule == "DualPipeV" and pc.pp > 1:
         comm["ep"] = max(0.0, comm["ep"] - compute_mb)
     stage_mb = compute_mb + sum(comm.values())  # one micro-batch through one pp rank
@@ -239,18 +244,18 @@ def _step_time(cfg: ModelConfig, pc: ParallelConfig, cluster: Cluster, mbs: int,
     return step, bubble, times
 
 
-def _comm_per_microbatch(cfg: ModelConfig, pc: ParallelConfig, cluster: Cluster, tokens: float) -> dict[str, float]:
-    """Seconds of one micro-batch's TP, CP, EP and expert-TP exchanges on one pp rank, `tokens` the
-    micro-batch's tokens on this rank (T/cp of each row)."""
+def _comm_per_microbatch(cfg: ModelConfig, pc: ParallelConfig, cluster: Cluster, tokens: float,
+                         seq_len: int = 4096) -> dict[str, float]:
+    """Seconds of one micro-batch's TP, CP, EP and expert-TP exchanges on one pp rank (CP's: what the
+    compute leaves exposed), `tokens` the micro-batch's tokens on this rank (T/cp of each row of seq_len)."""
     blocks = (cfg.num_hidden_layers + cfg.num_nextn_predict_layers) / pc.pp
     moe_layers = cfg.num_moe_layers / pc.pp
     act_bytes = 2.0 * tokens * cfg.hidden_size
     out = {"tp": 0.0, "cp": 0.0, "ep": 0.0, "etp": 0.0}
     if pc.tp > 1:
         out["tp"] = 4 * blocks * 2 * (pc.tp - 1) / pc.tp * act_bytes / _bandwidth(cluster, pc.tp)
-    if pc.cp > 1:  # the latents [c_kv; k_pe] of the whole rows: gathered forward, reduce-scattered backward
-        latents = 2.0 * tokens * pc.cp * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
-        out["cp"] = 2 * blocks * (pc.cp - 1) / pc.cp * latents / _bandwidth(cluster, pc.cp * pc.tp)
+    if pc.cp > 1:
+        out["cp"] = blocks * _ring_exposed(cfg, pc, cluster, tokens, seq_len)
     if pc.ep == 1:
         return out
     copies = 2.0 * tokens * cfg.num_experts_per_tok * cfg.hidden_size  # bf16 rows sent per exchange
@@ -264,8 +269,30 @@ def _comm_per_microbatch(cfg: ModelConfig, pc: ParallelConfig, cluster: Cluster,
     else:
         out["ep"] = 4 * moe_layers * (pc.ep - 1) / pc.ep * copies / _bandwidth(cluster, pc.ep * pc.tp)
     if pc.etp > 1:  # the etp ranks hold the same experts ep·tp ranks apart (parallel/mesh.py's etp view)
-        out["etp"] = 4 * moe_layers * (pc.etp - 1) * copies / _bandwidth(cluster, pc.etp * pc.ep * pc.tp)
+        # gate/up pieces sent: (etp−1)/etp of the etp·tokens·K rows, 2I/etp wide, in bf16
+        width = 2 * cfg.moe_intermediate_size / pc.tp / pc.etp
+        exchange = 2.0 * tokens * cfg.num_experts_per_tok * (pc.etp - 1) * width
+        bandwidth = _bandwidth(cluster, pc.etp * pc.ep * pc.tp)
+        out["etp"] = moe_layers * (4 * (pc.etp - 1) * copies + 2 * exchange) / bandwidth
     return out
+
+
+def _ring_exposed(cfg: ModelConfig, pc: ParallelConfig, cluster: Cluster, tokens: float, seq_len: int) -> float:
+    """Seconds of one block's ring attention exchange (parallel/cp.py) that its compute leaves exposed. A ring
+    step sends one rank's latents (tokens × (r + dr), bf16 under FSDP's bf16 policy) to the next rank while
+    this one expands the block it holds (kv_b_proj, its heads) and attends its queries to it (1/cp of the
+    core attention): cp − 1 sends forward; backward (2.5× the step's compute) sends the block and its fp32
+    latent gradient each step, and waits for the last gradient's hop home with nothing left to hide it."""
+    nh = cfg.num_attention_heads / pc.tp
+    block = tokens * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    latent_bytes = 2.0 if pc.mixed_precision == "bf16" else 4.0
+    bandwidth = _bandwidth(cluster, pc.cp * pc.tp)
+    expand = 2.0 * tokens * cfg.kv_lora_rank * nh * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+    core = 2.0 * tokens * seq_len / pc.cp * nh * (cfg.qk_head_dim + cfg.v_head_dim)
+    step = (expand + core) / cluster.flops
+    forward = (pc.cp - 1) * max(0.0, block * latent_bytes / bandwidth - step)
+    backward = (pc.cp - 1) * max(0.0, block * (latent_bytes + 4.0) / bandwidth - 2.5 * step)
+    return forward + backward + block * 4.0 / bandwidth
 
 
 def _data_parallel_comm(pc: ParallelConfig, cluster: Cluster, units, microbatches: int) -> tuple[float, float]:
@@ -273,7 +300,7 @@ def _data_parallel_comm(pc: ParallelConfig, cluster: Cluster, units, microbatche
 
     FSDP gathers each block's weights for its forward and again for its backward, and reduce-scatters
     its fp32 gradients, every micro-batch (reshard after forward): (2 or 4) · 2 + 4 bytes per parameter
-    over its group, (g−1)/g of them. Dense weights shard over dp_shard (× cp), experts over dp_shard / ep."""
+    over its group, (g−1)/g of them. Dense weights shard over dp_shard · cp, experts over dp_shard · cp / ep."""
     gathered = 2 if pc.mixed_precision == "bf16" else 4
     dense = sum(u.attn_params + u.dense_params for u in units) / (pc.tp * pc.pp)
     experts = sum(u.expert_params for u in units) / (pc.ep * pc.pp)
@@ -283,7 +310,7 @@ def _data_parallel_comm(pc: ParallelConfig, cluster: Cluster, units, microbatche
         return 0.0, 2 * (pc.cp - 1) / pc.cp * grads * 4 / _bandwidth(cluster, pc.cp * pc.tp)
     dp_comm = 0.0
     for params, group, span in ((dense, pc.dp_shard * pc.cp, pc.dp_shard * pc.cp * pc.tp),
-                                (experts, pc.dp_shard // pc.ep, pc.dp_shard * pc.tp)):
+                                (experts, pc.dp_shard * pc.cp // pc.ep, pc.dp_shard * pc.cp * pc.tp)):
         if group > 1:
             dp_comm += microbatches * params * (2 * gathered + 4) * (group - 1) / group / _bandwidth(cluster, span)
     return dp_comm, 0.0

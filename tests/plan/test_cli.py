@@ -26,6 +26,12 @@ def test_plan_memory_per_ep_rank_skews_and_context_parallelism(capsys):
     main(["plan", "memory", "--preset", "small", "--parallel", "cp=2,dp_shard=2", "--seq-len", "256",
           "--dtype", "fp32"])
     assert "cp=2: each rank holds 128 tokens of every sequence" in capsys.readouterr().out
+    # cp composes with TP, PP and EP (ep borrowing cp ranks), in bf16
+    for layout in ("cp=2,tp=2", "cp=2,tp=2,pp=2,microbatches=2", "cp=2,ep=2,mixed_precision=bf16"):
+        main(["plan", "memory", "--preset", "small", "--parallel", layout, "--seq-len", "256", "--micro-batch-size",
+              "2"])
+        out = capsys.readouterr().out
+        assert "each rank holds 128 tokens" in out and "peak" in out, layout
 
 
 def test_plan_schedule_writes_the_timeline(capsys, tmp_path):
@@ -78,6 +84,9 @@ def test_plan_search_impossible_cluster_is_a_clean_error(capsys):
      "or 2 non-negative ones, one per EP rank"),
     (["memory", "--preset", "small", "--parallel", "cp=2", "--seq-len", "250"], "use a multiple of 4"),
     (["memory", "--preset", "small", "--parallel", "dp_shard=2,ep=2,etp=2"], "ep*etp = 2*2 = 4 does not divide"),
+    (["memory", "--preset", "small", "--parallel", "cp=2,dp_shard=4,ep=2,etp=2"], "use ep_nodes=1 and etp=1 with cp"),
+    (["memory", "--preset", "small", "--parallel", "cp=2", "--seq-len", "64", "--traced"],
+     "tp=1, ep=1, pp=1, cp=2 need real collectives"),
     (["memory", "--parallel", "tp=3"], "tp=3 does not divide num_attention_heads=128; pick tp in [1, 2, 4, 8, 16"),
     (["memory", "--parallel", "tp=5"], "tp=5 does not divide num_attention_heads=128"),
     (["memory", "--preset", "small", "--parallel", "pp=4"], "microbatches=1 < pp=4 leaves stages idle"),

@@ -9,7 +9,6 @@ import torch
 
 from seekforge.config import ParallelConfig, TrainConfig, preset
 from seekforge.model.model import build_model
-from seekforge.plan import memory
 from seekforge.plan.measure import LiveBytes, ProfilerLiveBytes, state_tensors
 from seekforge.plan.memory import cp_attention_bytes, estimate_memory, expected_nodes_per_token
 from seekforge.plan.traced import traced_peak
@@ -135,27 +134,41 @@ def test_context_parallel_divides_activations_and_shards_with_fsdp():
     one = estimate_memory(cfg, ParallelConfig(), 2, 512, "fp32").ranks[0]
     cp2 = estimate_memory(cfg, ParallelConfig(cp=2), 2, 512, "fp32").ranks[0]
     assert cp2.params == one.params  # cp alone replicates the weights (gradients all-reduced over cp)
-    # T/cp tokens per rank; the gathered latents and the (T/cp, T) probabilities keep it above half
-    assert 0.5 * one.activations < cp2.activations < 0.75 * one.activations
+    # T/cp tokens per rank, and ring attention saves no scores (one device's (T, T) probabilities): below half
+    assert 0.25 * one.activations < cp2.activations < 0.5 * one.activations
     with_fsdp = estimate_memory(cfg, ParallelConfig(cp=2, dp_shard=2), 2, 512, "fp32").ranks[0]
     assert with_fsdp.params == pytest.approx(one.params / 4)  # FSDP shards over dp_shard × cp
-    saved, workspace = cp_attention_bytes(cfg, 2, 512, 2, cfg.num_attention_heads, 4, False)
-    probs = 4.0 * 2 * cfg.num_attention_heads * 256 * 512
-    assert saved > probs and workspace == 2 * probs
+    nh, local = cfg.num_attention_heads, 2 * 256
+    saved, workspace = cp_attention_bytes(cfg, 2, 512, 2, nh, 4)
+    # q, the output, this rank's latents and an fp32 LSE per row and head: linear in T/cp
+    assert saved == 4.0 * local * (nh * (cfg.qk_head_dim + cfg.v_head_dim) + cfg.kv_lora_rank
+                                   + cfg.qk_rope_head_dim + nh)
+    assert cp_attention_bytes(cfg, 2, 1024, 4, nh, 4) == (saved, workspace)  # the same tokens per rank
+    # a few fp32 (T/2cp, T/2cp) tiles at a time, never a (T/cp, T) score matrix: far below one at long rows
+    assert cp_attention_bytes(cfg, 1, 16384, 4, nh, 2)[1] < 0.25 * 4.0 * nh * 4096 * 16384
+    # bf16 on cp ranks that replicate plain weights: the Trainer's master weights, as on one process
+    from seekforge.plan.memory import UnitBytes
+
+    assert UnitBytes(cfg, ParallelConfig(cp=2), 2, 512, 2, 1.0).master
+    assert not UnitBytes(cfg, ParallelConfig(cp=2, tp=2), 2, 512, 2, 1.0).master  # DTensor weights: autocast
     with pytest.raises(ValueError, match="multiple of 4"):
         estimate_memory(cfg, ParallelConfig(cp=2), 2, 510)
 
 
-def test_expert_tp_gathers_rows_and_slices_or_shards_weights():
+def test_expert_tp_gathers_rows_and_shards_weights():
+    from seekforge.plan.memory import UnitBytes
+    from seekforge.plan.shapes import model_units
+
     cfg = preset("small", num_hidden_layers=2)
     ep = estimate_memory(cfg, ParallelConfig(dp_shard=4, ep=2), 2, 256).ranks[0]
-    whole = estimate_memory(cfg, ParallelConfig(dp_shard=4, ep=2, etp=2), 2, 256, etp_sharded_weights=False).ranks[0]
-    sharded = estimate_memory(cfg, ParallelConfig(dp_shard=4, ep=2, etp=2), 2, 256, etp_sharded_weights=True).ranks[0]
-    assert ep.params == whole.params == sharded.params  # E/ep experts over dp_shard / ep ranks either way
-    assert whole.activations > ep.activations  # the etp ranks' copies gathered at the experts
-    assert sharded.copies < ep.copies and whole.copies < ep.copies  # bf16 copies of I/etp of the experts
-    assert sharded.peak < whole.peak  # FSDP gathers 1/etp of the experts
-    assert memory.ETP_SHARDED_WEIGHTS is False  # parallel/ep.py keeps them whole today: flip with it
+    etp = estimate_memory(cfg, ParallelConfig(dp_shard=4, ep=2, etp=2), 2, 256).ranks[0]
+    assert ep.params == etp.params  # E/ep experts, 1/etp of each, over dp_shard / (ep·etp) ranks: 1/dp_shard
+    assert etp.activations > ep.activations  # the etp ranks' copies gathered at the experts
+    assert etp.copies < ep.copies  # bf16 copies of 1/etp of the experts
+    moe = next(u for u in model_units(cfg) if u.expert_params)
+    shape = UnitBytes(cfg, ParallelConfig(dp_shard=4, ep=2, etp=2), 2, 256, 2, 1.0)
+    rows = 2 * 256 * cfg.num_experts_per_tok * 2  # the etp ranks' copies
+    assert shape._etp_exchange(moe) == 3 * 2 * rows * 2 * cfg.moe_intermediate_size / 2  # the gate/up exchange
 
 
 def test_hierarchical_ep_keeps_a_slot_row_per_token_and_node():
@@ -171,7 +184,7 @@ def test_hierarchical_ep_keeps_a_slot_row_per_token_and_node():
 @pytest.mark.slow
 def test_measured_table_on_gloo_ranks():
     """benchmarks/plan_memory.py's cases (single device bf16/fp32 and every recompute mode, a config
-    without q_lora, FSDP, EP, two pipeline schedules, cp, cp × FSDP, etp × ep, hierarchical EP) against
+    without q_lora, FSDP, EP, two pipeline schedules, cp, cp × FSDP, cp in bf16, etp × ep, hierarchical EP) against
     the profiler's allocation record; gloo cases as the median of 3 runs (gloo's in-flight copies under
     FSDP follow the machine's load)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))

@@ -54,8 +54,11 @@ def test_search_explores_cp_etp_and_hierarchical_ep_within_pretrains_rules():
     layouts = [pc for pc, _ in _layouts(cfg, 16, 32, 256, (1,), devices_per_node=4)]
     cps = [pc for pc in layouts if pc.cp > 1]
     assert {pc.cp for pc in cps} == {2, 4, 8, 16} and all(256 % (2 * pc.cp) == 0 for pc in cps)
-    # cp composes with FSDP only, in fp32, for now (ParallelConfig); the search keeps what pretrain runs
-    assert all(pc.tp == pc.ep == pc.pp == 1 and pc.mixed_precision == "fp32" for pc in cps)
+    # cp composes with TP, PP and EP (which may borrow cp ranks), in bf16; not with etp or ep_nodes (ParallelConfig)
+    assert all(pc.etp == pc.ep_nodes == 1 and pc.mixed_precision == "bf16" for pc in cps)
+    assert {"tp", "pp", "ep"} <= {k for pc in cps for k in ("tp", "pp", "ep") if getattr(pc, k) > 1}
+    assert [pc for pc in cps if pc.ep > pc.dp_shard]  # ep over dp_shard × cp
+    assert all(pc.mixed_precision == "bf16" for pc in layouts)
     etps = [pc for pc in layouts if pc.etp > 1]
     assert etps and all(pc.ep > 1 and pc.ep_nodes == 1 and pc.dp_shard % (pc.ep * pc.etp) == 0 for pc in etps)
     nodes = [pc for pc in layouts if pc.ep_nodes > 1]
@@ -78,7 +81,29 @@ def test_time_model_prices_cp_etp_and_the_node_boundary():
     assert nodes["ep"] == pytest.approx(flat["ep"] * (3.5 / 50 + 7 / 150) / (7.875 / 50))
     etp = _comm_per_microbatch(cfg, ParallelConfig(dp_shard=64, ep=8, etp=2), cluster, tokens)
     assert etp["etp"] > 0 and etp["ep"] < flat["ep"]
+    # gather and reduce-scatter of the copies both ways, and the gate/up exchange (half the etp=2 ranks'
+    # 2·tokens·K rows, I wide: the other rank's slice) forward and backward, over 16 ranks at 50 GB/s
+    copies, rows = 2.0 * tokens * cfg.num_experts_per_tok * cfg.hidden_size, 2 * tokens * cfg.num_experts_per_tok
+    exchange = 2.0 * rows / 2 * cfg.moe_intermediate_size
+    assert etp["etp"] == pytest.approx(cfg.num_moe_layers * (4 * copies + 2 * exchange) / 50e9)
     small = preset("small")
     one, _, t1 = _step_time(small, ParallelConfig(dp_shard=2), cluster, 1, 4, 4096)
     cp2, _, t2 = _step_time(small, ParallelConfig(dp_shard=2, cp=2), cluster, 1, 4, 4096)
     assert t2["compute"] == pytest.approx(t1["compute"] / 2) and t2["cp"] > 0
+
+
+def test_ring_exposes_only_what_compute_cannot_hide():
+    from seekforge.plan.search import _ring_exposed
+
+    cfg, pc = preset("v3-671b"), ParallelConfig(dp_shard=2, cp=4, mixed_precision="bf16")
+    tokens, block = 1024.0, 1024.0 * (512 + 64)  # a rank's tokens and latent elements
+    bandwidth = 150e9
+    last_hop = block * 4 / bandwidth  # the last fp32 gradient's way home: nothing left to hide it
+
+    def exposed(flops):
+        return _ring_exposed(cfg, pc, Cluster(devices=8, device_memory=80e9, flops=flops), tokens, 4096)
+
+    assert exposed(1e3) == pytest.approx(last_hop)  # slow compute hides every other hop
+    # no compute to speak of: 3 bf16 blocks forward, 3 bf16 blocks and fp32 gradients backward, the last hop
+    assert exposed(1e30) == pytest.approx(block * (3 * 2 + 3 * 6 + 4) / bandwidth)
+    assert last_hop <= exposed(400e12) <= exposed(1e30)
