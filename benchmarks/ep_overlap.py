@@ -9,7 +9,10 @@ median over repetitions of the ratio sequential / overlap of one repetition's tw
 is faster): on shared cores the neighbours' load swings several-fold within a minute. With --pp: DualPipeV on
 pp=2 × ep=2 (4 ranks), its overlapped forward/backward pairs run at once or one after the other. The share of a
 sequential step the forward spends waiting on its exchanges (the dispatchers' wait_seconds) says how much
-there is to hide.
+there is to hide. Overlap also holds FSDP's parameters gathered over the step's micro-batches (a forward and a
+backward may not interleave FSDP's hooks), which the sequential loop re-gathers each micro-batch: the third
+contender, "held", runs overlap's path with the concurrency off (accumulate(concurrent=False)), so held / overlap
+is what running the two micro-batches at once buys by itself, and sequential / held what gathering once buys.
 
     PYTHONPATH=. python benchmarks/ep_overlap.py [--threads 1] [--reps 8] [--grad-accum 4] [--batch 2] [--seq 64]
     PYTHONPATH=. python benchmarks/ep_overlap.py --pp --batch 8    # DualPipeV's F&B pairs, pp=2 × ep=2 on 4 ranks
@@ -22,8 +25,10 @@ import datetime
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from statistics import median
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -84,14 +89,18 @@ def build_trainer(cfg, args, overlap: bool, out_dir: str):
     return Trainer(tc, model, Batches(cfg, args, mesh["dp"].get_local_rank()), mesh=mesh)
 
 
-def timed_step(trainer) -> tuple[float, float, dict, float]:
+def timed_step(trainer, concurrent: bool = True) -> tuple[float, float, dict, float]:
     """→ (the slowest rank's seconds, CPU seconds of all ranks' processes (every thread, gloo's too), the
-    step's metrics, this rank's forward exchange-wait seconds)."""
+    step's metrics, this rank's forward exchange-wait seconds). concurrent=False: the "held" control."""
+    from seekforge.parallel import overlap
+    from seekforge.train import trainer as trainer_module
+
     for moe in trainer.moe_layers:
         moe.dispatcher.wait_seconds = 0.0
     dist.barrier()
     start, cpu = time.perf_counter(), time.process_time()
-    metrics = trainer.train_step()
+    with mock.patch.object(trainer_module, "accumulate", partial(overlap.accumulate, concurrent=concurrent)):
+        metrics = trainer.train_step()
     seconds = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
     cpu_seconds = torch.tensor(time.process_time() - cpu, dtype=torch.float64)
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
@@ -104,31 +113,33 @@ def run_rank(rank: int, tmp: str, args) -> None:
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world_size(args),
                             timeout=datetime.timedelta(seconds=300))
     cfg = model_config(args)
-    trainers = {name: build_trainer(cfg, args, name == "overlap", tmp) for name in ("sequential", "overlap")}
+    names = ("sequential", "overlap") if args.pp else ("sequential", "held", "overlap")
+    trainers = {name: build_trainer(cfg, args, name != "sequential", tmp) for name in names}
     times: dict[str, list[float]] = {name: [] for name in trainers}
     cpu: dict[str, list[float]] = {name: [] for name in trainers}
     waits, identical = [], True
     for rep in range(args.warmup + args.reps):
-        order = list(trainers) if rep % 2 == 0 else list(reversed(trainers))
+        order = list(names[rep % len(names):] + names[:rep % len(names)])  # each goes first in turn
         metrics = {}
         for name in order:
-            seconds, cpu_seconds, metrics[name], wait = timed_step(trainers[name])
+            seconds, cpu_seconds, metrics[name], wait = timed_step(trainers[name], concurrent=name != "held")
             if rep >= args.warmup:
                 times[name].append(seconds)
                 cpu[name].append(cpu_seconds)
                 if name == "sequential":
                     waits.append(wait / seconds)
-        identical &= all(metrics["sequential"][k] == metrics["overlap"][k] for k in ("loss", "grad_norm"))
+        identical &= all(metrics[name][k] == metrics["sequential"][k] for name in names for k in ("loss", "grad_norm"))
     if rank == 0:
-        seq, ovl = median(times["sequential"]), median(times["overlap"])
-        for name, t in (("sequential", seq), ("overlap", ovl)):
+        for name in names:
             reps = ", ".join(f"{1e3 * x:.0f}" for x in times[name])
-            print(f"{name + ':':<11} {1e3 * t:.1f} ms/step, {1e3 * median(cpu[name]):.0f} CPU ms/step over all ranks "
-                  f"(per rep: {reps})")
-        paired = [s / o for s, o in zip(times["sequential"], times["overlap"], strict=True)]
+            print(f"{name + ':':<11} {1e3 * median(times[name]):.1f} ms/step, "
+                  f"{1e3 * median(cpu[name]):.0f} CPU ms/step over all ranks (per rep: {reps})")
         print(f"sequential step's forward exchange waits (rank 0): {100 * median(waits):.0f}% of the step")
-        print(f"ratio sequential / overlap: {median(paired):.2f}x (median of the {len(paired)} per-repetition ratios, "
-              f"each of two adjacent steps; of the medians: {seq / ovl:.2f}x)")
+        pairs = [("sequential", "overlap")] + ([("held", "overlap"), ("sequential", "held")] if "held" in names else [])
+        for a, b in pairs:
+            paired = [x / y for x, y in zip(times[a], times[b], strict=True)]
+            print(f"ratio {a} / {b}: {median(paired):.2f}x (median of the {len(paired)} per-repetition ratios, "
+                  f"steps of one repetition adjacent; of the medians: {median(times[a]) / median(times[b]):.2f}x)")
         same = "yes" if identical else "NO"
         print(f"losses and grad norms bit-identical over {args.warmup + args.reps} steps: {same}")
     dist.barrier()

@@ -100,19 +100,26 @@ def expert_groups(modules: list[nn.Module]) -> list:
 
 
 def accumulate(num: int, forward: Callable[[int], torch.Tensor], backward: Callable[[torch.Tensor], None],
-               between: Callable[[], None] = lambda: None) -> None:
+               between: Callable[[], None] = lambda: None, concurrent: bool = True) -> None:
     """forward(i) → the tensor to differentiate, for micro-batches i < num; backward(t) accumulates its
     gradients; `between` runs on the calling thread after each backward (FSDP's reduce-scatter).
-    Runs F0, then F(i) alongside B(i-1) for i ≥ 1, then B(num-1): the gradients of the sequential order."""
+    Runs F0, then F(i) alongside B(i-1) for i ≥ 1, then B(num-1): the gradients of the sequential order.
+    concurrent=False runs B(i-1) before F(i) on the calling thread: the same work, lanes and FSDP handling
+    without the overlap (benchmarks/ep_overlap.py's control for what the concurrency alone buys)."""
     with comm_lane(0):
         pending = forward(0)
     for i in range(1, num):
-        job = _worker().submit(_backward_in_lane, backward, pending, (i - 1) % 2)
+        job = None
+        if concurrent:
+            job = _worker().submit(_backward_in_lane, backward, pending, (i - 1) % 2)
+        else:
+            _backward_in_lane(backward, pending, (i - 1) % 2)
         try:
             with comm_lane(i % 2):
                 pending = forward(i)
         finally:
-            job.result()  # also when the forward failed: never leave a backward running
+            if job is not None:
+                job.result()  # also when the forward failed: never leave a backward running
         between()
     with comm_lane((num - 1) % 2):
         backward(pending)
