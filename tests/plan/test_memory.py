@@ -9,6 +9,7 @@ import torch
 
 from seekforge.config import ParallelConfig, TrainConfig, preset
 from seekforge.model.model import build_model
+from seekforge.model.precision import resolve_dtype
 from seekforge.plan.measure import LiveBytes, ProfilerLiveBytes, state_tensors
 from seekforge.plan.memory import cp_attention_bytes, estimate_memory, expected_nodes_per_token
 from seekforge.plan.traced import traced_peak
@@ -42,12 +43,14 @@ def test_single_device_peak_within_ten_percent(recompute):
     torch.set_num_threads(1)
     cfg = TrainConfig(preset="small", model=dict(num_hidden_layers=2), seq_len=128, micro_batch_size=2,
                       recompute=recompute, peak_flops=1.0, eval_interval=0)
-    plan = estimate_memory(cfg.model_config(), ParallelConfig(), cfg.micro_batch_size, cfg.seq_len, "bf16",
+    # the dtype the Trainer's 'auto' runs on this CPU: bf16 where it has native bf16 matmuls, fp32 on AVX2
+    dtype = "bf16" if resolve_dtype(cfg.dtype, "cpu", cfg.model_config().hidden_size)[0] == torch.bfloat16 else "fp32"
+    plan = estimate_memory(cfg.model_config(), ParallelConfig(), cfg.micro_batch_size, cfg.seq_len, dtype,
                            recompute=recompute)
     measured = measured_peak(cfg)
     assert plan.peak == pytest.approx(measured, rel=TOLERANCE)
     if recompute == "none":  # the traced mode runs the same step on fake tensors
-        traced = traced_peak(cfg.model_config(), cfg.micro_batch_size, cfg.seq_len, "bf16", recompute)
+        traced = traced_peak(cfg.model_config(), cfg.micro_batch_size, cfg.seq_len, dtype, recompute)
         assert traced == pytest.approx(measured, rel=TOLERANCE)
 
 
