@@ -132,6 +132,13 @@ class ParallelConfig:
         return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
 
     @property
+    def fsdp(self) -> bool:
+        """Whether parallel/parallelize.py shards with FSDP (then FSDP also reduces the cp ranks' gradients,
+        parallel/cp.py): data parallelism, expert parallelism (its ranks are data-parallel, also under cp:
+        ep | dp_shard · cp) or bf16 mixed precision (FSDP's policy casts). plan/ models the same rule."""
+        return self.dp_replicate * self.dp_shard > 1 or self.ep > 1 or self.mixed_precision != "fp32"
+
+    @property
     def stages_per_rank(self) -> int:
         return 2 if self.pp_schedule in MULTI_STAGE_SCHEDULES else 1
 

@@ -36,7 +36,7 @@ def parallelize(model: nn.Module, pc: ParallelConfig, mesh: DeviceMesh) -> nn.Mo
         apply_recompute(model, pc.recompute)
     if pc.compile:
         compile_blocks(model)
-    if uses_fsdp(pc):
+    if pc.fsdp:
         hsdp = pc.dp_replicate > 1
         dp_mesh = mesh["dp_replicate", "dp_shard"] if hsdp else mesh["dp_shard"]
         if pc.cp > 1:  # FSDP over dp_shard × cp: it reduces the cp ranks' gradients too (parallel/cp.py)
@@ -48,12 +48,6 @@ def parallelize(model: nn.Module, pc: ParallelConfig, mesh: DeviceMesh) -> nn.Mo
         apply_fsdp(model, dp_mesh, mixed_precision_policy(pc.mixed_precision), expert_mesh,
                    expert_grad_divide_factor=pc.dp_replicate * pc.dp_shard * pc.cp)
     return model
-
-
-def uses_fsdp(pc: ParallelConfig) -> bool:
-    """Whether `parallelize` shards with FSDP: then FSDP also reduces the cp ranks' gradients (parallel/cp.py).
-    Expert parallelism always has it (its ranks are data-parallel, also under cp: ep | dp_shard · cp)."""
-    return pc.dp_replicate * pc.dp_shard > 1 or pc.ep > 1 or pc.mixed_precision != "fp32"
 
 
 def compile_blocks(model: nn.Module) -> nn.Module:

@@ -119,7 +119,7 @@ def _skews(text: str) -> float | list[float]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: give a number (e.g. 1.2) or one per EP rank, comma-separated "
                                          "(e.g. 1.3,0.7)") from None
-    return values[0] if len(values) == 1 and "," not in text else values
+    return values[0] if len(values) == 1 else values
 
 
 # (flags, the test a value must pass, the fix): counts are at least 1, as TrainConfig and ParallelConfig want

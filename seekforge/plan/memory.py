@@ -283,14 +283,12 @@ class UnitBytes:
         # nothing stays (parallel/fsdp.py).
         # bf16 on plain parameters (no pipeline runner, no DTensor: one process, or cp ranks that replicate
         # the weights): train/master.py's persistent bf16 weights instead of autocast's per-forward casts.
-        plain = pc.world_size == 1 or (pc.tp == pc.ep == pc.pp == pc.dp_replicate * pc.dp_shard == 1
-                                       and pc.mixed_precision == "fp32")
+        plain = pc.world_size == 1 or (pc.tp == pc.pp == 1 and not pc.fsdp)
         self.master = self.autocast and plain
         self.keeps_copies = self.autocast and pc.mixed_precision == "fp32" and not self.master
         self.skew = moe_skew if pc.ep > 1 else 1.0
         # FSDP shards parameters, gradients and states over dp_shard (× cp: parallel/parallelize.py)
-        fsdp = pc.dp_replicate * pc.dp_shard > 1 or pc.mixed_precision != "fp32"
-        self.shard = pc.dp_shard * (pc.cp if fsdp else 1)
+        self.shard = pc.dp_shard * (pc.cp if pc.fsdp else 1)
         self.gathered_dtype = 2 if pc.mixed_precision == "bf16" else 4
         self.latent_bytes = self.gathered_dtype  # the normed c_kv: fp32 unless its norm's weight is bf16
         self.split_backward = False  # a zero-bubble schedule's I/W split (set by _inflight_bytes)

@@ -304,8 +304,7 @@ def _data_parallel_comm(pc: ParallelConfig, cluster: Cluster, units, microbatche
     gathered = 2 if pc.mixed_precision == "bf16" else 4
     dense = sum(u.attn_params + u.dense_params for u in units) / (pc.tp * pc.pp)
     experts = sum(u.expert_params for u in units) / (pc.ep * pc.pp)
-    fsdp = pc.dp_replicate * pc.dp_shard > 1 or pc.mixed_precision != "fp32"
-    if not fsdp:  # cp's ranks all-reduce their fp32 gradients after backward (parallel/cp.py)
+    if not pc.fsdp:  # cp's ranks all-reduce their fp32 gradients after backward (parallel/cp.py)
         grads = dense + experts
         return 0.0, 2 * (pc.cp - 1) / pc.cp * grads * 4 / _bandwidth(cluster, pc.cp * pc.tp)
     dp_comm = 0.0

@@ -109,10 +109,12 @@ class Trainer:
         self.moe_layers = [m for module in self.modules for m in module.modules() if isinstance(m, MoE)]
         # Forward passes per optimizer step: gradient accumulation × pipeline micro-batches.
         self.forwards_per_step = cfg.grad_accum * (self.runner.pc.microbatches if self.runner else 1)
-        # Under cp, each rank's balance loss is its share, scaled as its other loss terms (cp.grad_scale).
-        cp_scale = 1 if self.cp_mesh is None else cp.grad_scale(self.modules[0], self.cp_mesh)
+        # Under cp a rank's loss (its balance loss too) is its share, backwarded × cp where FSDP averages the
+        # gradients over the cp ranks (cp.grad_scale); the shares × cp enter the logged rank mean.
+        self.cp_grad_scale = 1 if self.cp_mesh is None else cp.grad_scale(self.modules[0], self.cp_mesh)
+        self.cp_size = 1 if self.cp_mesh is None else self.cp_mesh.size()
         for moe in self.moe_layers:
-            moe.aux_loss_coeff, moe.aux_grad_scale = cfg.aux_loss_coeff, cp_scale / self.forwards_per_step
+            moe.aux_loss_coeff, moe.aux_grad_scale = cfg.aux_loss_coeff, self.cp_grad_scale / self.forwards_per_step
         model_cfg = self.modules[0].cfg
         # The same names on every rank (all-reduced together); ranks without the last stage send zeros.
         self.loss_names = ["loss", "lm_loss"]
@@ -136,7 +138,7 @@ class Trainer:
         self._iterator = iter(loader)
         self.probe = TrainingProbe.open(cfg.probe, self.modules, self.optimizers, self.out_dir)
         if cfg.overlap:
-            self._check_overlap(mesh)
+            self._check_overlap()
             if _distributed():
                 create_lanes(expert_groups(self.modules))
 
@@ -201,14 +203,10 @@ class Trainer:
                     with self._autocast():
                         loss, parts = self._loss(batch, cfg.mtp_loss_scale)
                     self.probe.mark("forward")
-                    scale = 1 if self.cp_mesh is None else cp.grad_scale(self.model, self.cp_mesh)
-                    (loss * scale / cfg.grad_accum).backward()
+                    (loss * self.cp_grad_scale / cfg.grad_accum).backward()
                 parts = {"loss": loss.detach(), **parts}
-            if self.cp_mesh is not None:  # a cp rank's share of its dp rank's loss: ranks are averaged below
-                parts = {name: value * self.cp_mesh.size() for name, value in parts.items()}
             self.probe.mark("backward")  # a pipeline's schedule: forward and backward together
-            for name, value in parts.items():
-                sums[name] = sums[name] + plain_tensor(value).float() / cfg.grad_accum
+            sums = self._add_parts(sums, parts)
         if self.runner is not None:
             self.runner.sync_tied_embedding_grads()
         if self.cp_mesh is not None:
@@ -250,12 +248,9 @@ class Trainer:
                              "use cp=1 for such data")
         return cp.cp_lm_loss(self.model, batch["input_ids"], batch["labels"], self.cp_mesh, mtp_loss_scale)
 
-    def _check_overlap(self, mesh) -> None:
-        for name in ("tp", "cp"):  # their collectives inside the layers would come from both threads on one group
-            try:
-                size = mesh[name].size() if mesh is not None else 1
-            except KeyError:
-                size = 1
+    def _check_overlap(self) -> None:
+        for name, sub_mesh in (("tp", self.tp_mesh), ("cp", self.cp_mesh)):  # their collectives inside the layers
+            size = sub_mesh.size() if sub_mesh is not None else 1  # would come from both threads on one group
             if size > 1:
                 raise ValueError(f"TrainConfig.overlap=True with {name}={size} is not supported (only the expert "
                                  f"exchanges get a lane per micro-batch); use {name}=1 or overlap=False")
@@ -283,9 +278,14 @@ class Trainer:
             accumulate(cfg.grad_accum, forward, torch.Tensor.backward, reduce)
         self.probe.mark("backward")  # forward and backward together
         for parts in parts_of:
-            for name, value in parts.items():
-                sums[name] = sums[name] + plain_tensor(value).float() / cfg.grad_accum
+            sums = self._add_parts(sums, parts)
         return sums
+
+    def _add_parts(self, sums: dict, parts: dict) -> dict:
+        """One micro-batch's loss parts added into the step's means; under cp, a rank's share × cp (the ranks'
+        values are averaged when logged)."""
+        return {**sums, **{name: sums[name] + plain_tensor(value).float() * self.cp_size / self.cfg.grad_accum
+                           for name, value in parts.items()}}
 
     def read_metrics(self, records: list[dict], seconds: float) -> list[dict]:
         """train_step's records of the steps that took `seconds` together, their device tensors read as floats
@@ -313,9 +313,7 @@ class Trainer:
             moe.aux_loss = 0.0
         if self.pp_group is not None:
             dist.all_reduce(total, group=self.pp_group)
-        if self.cp_mesh is not None:  # this cp rank's share, as the other loss parts
-            total = total * self.cp_mesh.size()
-        return total / self.forwards_per_step
+        return total * self.cp_size / self.forwards_per_step  # under cp: this rank's share × cp, as _add_parts
 
     def _mean_over_loss_ranks(self, values: list[torch.Tensor]) -> torch.Tensor:
         """Scalars averaged over the ranks that hold the loss: every rank, or those of the last
@@ -351,9 +349,8 @@ class Trainer:
             else:
                 with torch.no_grad(), loss_context(self.tp_mesh), self._compute_weights(), self._autocast():
                     _, parts = self._loss(batch, mtp_loss_scale=0.0)
-            if self.cp_mesh is not None and parts:  # this cp rank's share
-                parts = {"lm_loss": parts["lm_loss"] * self.cp_mesh.size()}
-            losses.append(plain_tensor(parts["lm_loss"]).float() if parts else torch.zeros((), device=self.device))
+            losses.append(plain_tensor(parts["lm_loss"]).float() * self.cp_size if parts  # cp: a rank's share × cp
+                          else torch.zeros((), device=self.device))
         for module in self.modules:
             module.train()
         for moe, counts in zip(self.moe_layers, saved_counts, strict=True):

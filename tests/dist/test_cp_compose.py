@@ -16,7 +16,7 @@ from seekforge.parallel import cp
 from seekforge.parallel.cp import all_reduce_grads, cp_lm_loss
 from seekforge.parallel.layout import describe_layout, layout_of_model
 from seekforge.parallel.mesh import build_mesh
-from seekforge.parallel.parallelize import parallelize, uses_fsdp
+from seekforge.parallel.parallelize import parallelize
 from seekforge.parallel.tp import loss_context
 from seekforge.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from seekforge.train.optim import clip_grad_norm
@@ -89,8 +89,8 @@ def parallel_step(model, pc, mesh, inputs, labels) -> float:
             loss.backward()
         else:
             loss, _ = cp_lm_loss(model, inputs[rows], labels[rows], mesh["cp"])
-            (loss * pc.cp if uses_fsdp(pc) else loss).backward()
-    if pc.cp > 1 and not uses_fsdp(pc):
+            (loss * pc.cp if pc.fsdp else loss).backward()
+    if pc.cp > 1 and not pc.fsdp:
         all_reduce_grads(model, mesh["cp"])
     loss = plain_tensor(loss.detach()).clone()
     dist.all_reduce(loss)  # cp shares sum to a dp rank's loss; dp ranks and tp replicas averaged
